@@ -1,0 +1,44 @@
+# The README's two commands: `make run` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU build of torch; installed first so that no later requirement pulls a CUDA build (STACK.md).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export DVC_NO_ANALYTICS := 1
+export MLFLOW_DISABLE_TELEMETRY := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: setup run test test-all bench lint clean
+
+setup: $(STAMP)
+
+# Re-install only when the dependency list changes; a no-op when already set up.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/rlhf demo
+
+test: setup
+	$(BIN)/python -m pytest -m "not gpu and not server" $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/rlhf bench --algo ppo --json
+	$(BIN)/rlhf bench --algo rloo --json
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

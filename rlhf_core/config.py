@@ -1,0 +1,184 @@
+"""Typed configuration of the RL trainer, validated once and frozen.
+
+The batch hierarchy (after summarize_from_feedback_details / TRL), per update:
+
+    rollout batch   `batch_size` episodes (completions) generated across all processes
+      └ mini-batch  `batch_size / num_mini_batches` episodes: one optimizer step
+          └ micro-batch  `per_device_train_batch_size` episodes per process: one forward/backward;
+                         `gradient_accumulation_steps` of them per process make a mini-batch
+
+so `batch_size = per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches *
+num_processes`. For RLOO an episode is one of the `rloo_k` completions of a prompt, so each update
+draws `batch_size / rloo_k` prompts. Derived sizes are computed in one place, `BatchPlan.derive`,
+with exact divisions that fail loudly naming the fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class PPOOptions(_Frozen):
+    """What only PPO uses: the value model, GAE and the clipped value loss."""
+
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount. 1.0 as in the TL;DR recipes: the episode is short and the score comes at the end."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    cliprange_value: float = Field(0.2, gt=0.0)
+    """Clip range of the value prediction around its rollout-time value."""
+    vf_coef: float = Field(0.1, ge=0.0)
+    """Weight of the value loss in the joint policy+value loss (one optimizer for both)."""
+    whiten_rewards: bool = False
+    """Whiten the per-token rewards (scale only) before GAE."""
+
+
+class RLOOOptions(_Frozen):
+    """What only RLOO uses: k samples per prompt and the leave-one-out baseline."""
+
+    rloo_k: int = Field(2, ge=2)
+    """Completions sampled per prompt; each is baselined by the mean reward of the other k-1."""
+    kl_level: Literal["sequence", "token"] = "sequence"
+    """'sequence': the summed KL joins the reward before the baseline and the ratio is per sequence
+    (TRL's RLOO). 'token': per-token KL as reward-to-go, per-token advantages and ratios."""
+    normalize_reward: bool = False
+    """Standardize the rlhf reward across the rollout batch, then clip to +-reward_clip_range."""
+    reward_clip_range: float = Field(10.0, gt=0.0)
+    """Clip range applied after reward normalization."""
+    normalize_advantage: bool = False
+    """Standardize the advantages across the rollout batch."""
+
+
+class RLConfig(_Frozen):
+    """Everything the trainer needs, for both algorithms."""
+
+    algo: Literal["ppo", "rloo"] = "ppo"
+    """Which policy-gradient estimator to use."""
+    seed: int = 0
+    """Seeds sampling, data order and initialization; with it a run is reproducible."""
+    total_episodes: int = Field(1024, gt=0)
+    """Completions to generate over the whole run; the number of updates is derived from it."""
+
+    # batch hierarchy (see the module docstring)
+    per_device_train_batch_size: int = Field(16, gt=0)
+    """Micro-batch: episodes per process per forward/backward."""
+    gradient_accumulation_steps: int = Field(4, gt=0)
+    """Micro-batches accumulated into one mini-batch (one optimizer step)."""
+    num_mini_batches: int = Field(1, gt=0)
+    """Mini-batches (optimizer steps) per pass over the rollout batch."""
+    num_epochs: int = Field(4, gt=0)
+    """Passes over each rollout batch (PPO epochs); RLOO's one optimization pass is 1."""
+    local_rollout_forward_batch_size: int = Field(64, gt=0)
+    """Episodes per process per generation / scoring forward (no grad); bounds rollout memory."""
+
+    # sampling
+    response_length: int = Field(24, gt=0)
+    """Maximum new tokens per completion."""
+    temperature: float = Field(0.7, gt=0.0)
+    """Sampling temperature; the same scaling divides the logits when log-probs are recomputed."""
+    stop_token: Literal["eos"] | None = "eos"
+    """Truncate completions after this token ('eos') or never (None)."""
+    missing_eos_penalty: float | None = Field(1.0, ge=0.0)
+    """Subtracted from the score of completions that never emit the stop token; None disables."""
+
+    # objective
+    kl_coef: float = Field(0.05, ge=0.0)
+    """Weight beta of the KL(policy || reference) penalty in the reward."""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """Per-token KL estimator (Schulman): k1 = log p - log q, k3 = (r - 1) - log r."""
+    cliprange: float = Field(0.2, gt=0.0)
+    """PPO clip range of the policy ratio."""
+    whiten_advantages: bool = True
+    """Whiten PPO's per-token advantages over the rollout batch (RLOO: see rloo.normalize_advantage)."""
+
+    # optimization
+    learning_rate: float = Field(1e-5, ge=0.0)
+    """Peak learning rate of AdamW (policy and value together)."""
+    lr_scheduler: Literal["linear", "constant", "cosine"] = "linear"
+    """Decay over all optimizer steps of the run (TRL: linear)."""
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    """Fraction of optimizer steps of linear warm-up."""
+    adam_eps: float = Field(1e-5, gt=0.0)
+    """AdamW epsilon (1e-5 as in the PPO implementation details, not torch's 1e-8)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm of each optimizer step; None disables."""
+
+    # bookkeeping
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a resumable checkpoint every N updates (0: only at the end when a dir is given)."""
+    keep_checkpoints: int = Field(2, gt=0)
+    """How many of the newest checkpoints to keep."""
+
+    ppo: PPOOptions = PPOOptions()
+    rloo: RLOOOptions = RLOOOptions()
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        if self.algo == "ppo" and self.ppo.whiten_rewards and self.ppo.gamma == 0:
+            raise ValueError("ppo.whiten_rewards with ppo.gamma=0 leaves nothing to whiten")
+        return self
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.rloo.rloo_k if self.algo == "rloo" else 1
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b, raising with `what` (the fields involved) when b does not divide a."""
+    if b <= 0 or a % b != 0:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The batch sizes of a run, derived once from the config and the number of processes."""
+
+    num_processes: int
+    batch_size: int
+    """Episodes per update across all processes."""
+    local_batch_size: int
+    """Episodes per update on this process."""
+    local_mini_batch_size: int
+    """Episodes per optimizer step on this process."""
+    micro_batch_size: int
+    """Episodes per forward/backward on this process."""
+    local_prompts: int
+    """Prompts drawn per update on this process (episodes / samples_per_prompt)."""
+    num_updates: int
+    """Rollout-then-optimize iterations of the run."""
+    num_optimizer_steps: int
+    """Optimizer steps of the run (for the LR schedule)."""
+
+    @classmethod
+    def derive(cls, cfg: RLConfig, num_processes: int = 1) -> BatchPlan:
+        local_mini = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        local_batch = local_mini * cfg.num_mini_batches
+        batch = local_batch * num_processes
+        local_prompts = exact_div(
+            local_batch, cfg.samples_per_prompt,
+            "per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches / rloo.rloo_k",
+        )
+        exact_div(local_batch, min(cfg.local_rollout_forward_batch_size, local_batch),
+                  "local rollout batch / local_rollout_forward_batch_size")
+        num_updates = math.ceil(cfg.total_episodes / batch)
+        return cls(
+            num_processes=num_processes,
+            batch_size=batch,
+            local_batch_size=local_batch,
+            local_mini_batch_size=local_mini,
+            micro_batch_size=cfg.per_device_train_batch_size,
+            local_prompts=local_prompts,
+            num_updates=num_updates,
+            num_optimizer_steps=num_updates * cfg.num_epochs * cfg.num_mini_batches,
+        )

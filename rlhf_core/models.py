@@ -1,0 +1,95 @@
+"""Building and loading the models the trainer needs: policy, value and reward models.
+
+Safe by default: `trust_remote_code` is off and only safetensors weights are loaded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    GPTNeoXForSequenceClassification,
+    PreTrainedModel,
+)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Set every dropout probability to 0: rollout and training must see the same function."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def tiny_gpt_neox_config(*, vocab_size: int, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
+                         intermediate_size: int = 512, max_positions: int = 256, pad_token_id: int = 0,
+                         eos_token_id: int = 1) -> GPTNeoXConfig:
+    """A small GPT-NeoX (Pythia's architecture family) for CPU worlds, without dropout."""
+    return GPTNeoXConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id, hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+    )
+
+
+def init_causal_lm(config: GPTNeoXConfig, seed: int) -> GPTNeoXForCausalLM:
+    """Randomly initialized causal LM, deterministic in `seed`."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return GPTNeoXForCausalLM(config)
+
+
+def init_sequence_scorer(config: GPTNeoXConfig, seed: int) -> GPTNeoXForSequenceClassification:
+    """Randomly initialized value / reward model: a sequence classifier with one output."""
+    scorer_config = GPTNeoXConfig(**{**config.to_dict(), "num_labels": 1, "id2label": {0: "LABEL_0"},
+                                     "label2id": {"LABEL_0": 0}})
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return GPTNeoXForSequenceClassification(scorer_config)
+
+
+def _source(name_or_path: str | os.PathLike) -> str:
+    """A local directory (saved with save_pretrained) or, when no such path exists, a hub id."""
+    path = Path(name_or_path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; expected a directory saved with save_pretrained() or a hub id")
+    return str(name_or_path)
+
+
+def _load(loader, name_or_path, **kwargs) -> PreTrainedModel:
+    source = _source(name_or_path)
+    try:
+        return loader.from_pretrained(source, trust_remote_code=False, use_safetensors=True, **kwargs)
+    except OSError as err:
+        raise OSError(f"could not load {source!r}: not a local model directory and not reachable on the "
+                      f"Hugging Face Hub (offline? set HF_HUB_OFFLINE=1 to fail fast). Cause: {err}") from err
+
+
+def load_policy(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    return disable_dropout(_load(AutoModelForCausalLM, name_or_path, dtype=dtype))
+
+
+def load_scorer_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A reward or value model: `AutoModelForSequenceClassification` with num_labels=1."""
+    model = _load(AutoModelForSequenceClassification, name_or_path, dtype=dtype, num_labels=1)
+    return disable_dropout(model)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    source = _source(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except OSError as err:
+        raise OSError(f"could not load a tokenizer from {source!r}: {err}") from err
+    if tokenizer.pad_token is None:
+        raise ValueError(f"tokenizer {source!r} has no pad token; add a distinct one (e.g. '[PAD]') before RL")
+    return tokenizer

@@ -1,0 +1,411 @@
+"""RL math for PPO / RLOO on causal language models, as small pure tensor functions.
+
+Conventions used throughout:
+    B = batch size (number of sequences), T = response length, V = vocabulary size.
+    ``mask`` tensors are bool or 0/1 floats of the same shape as the values they mask;
+    True / 1 marks a real (non-padding) response token.
+
+Nothing here calls ``.item()`` or otherwise syncs with the device, except ``masked_var`` (and
+``masked_whiten``, which calls it): it reads the number of masked elements once to raise a clear
+error instead of returning NaN/inf.
+
+References:
+    - PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
+    - GAE: Schulman et al. 2015, https://arxiv.org/abs/1506.02438
+    - RLOO: Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740
+    - KL estimators: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+    - Implementation details: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO",
+      https://arxiv.org/abs/2403.17031 (summarize_from_feedback_details)
+"""
+
+import torch
+import torch.nn.functional as F
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+# ---------------------------------------------------------------------------------------------
+# masked statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over the positions where ``mask`` is set.
+
+        masked_mean = sum(values * mask) / sum(mask)
+
+    Args:
+        values: (...) floating tensor, e.g. (B, T).
+        mask: same shape as ``values``; bool or 0/1 float.
+        dim: reduce over all elements when None (-> scalar), else along ``dim`` only.
+
+    Returns:
+        scalar tensor, or ``values`` with ``dim`` reduced. An all-zero mask gives NaN (0/0); no
+        check is made here so that the function never syncs with the device.
+    """
+    assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
+    mask = mask.to(values.dtype)  # bool -> float so that multiplication and sums are in values' dtype
+    if dim is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over all masked positions.
+
+        mu  = masked_mean(values, mask)
+        var = masked_mean((values - mu)^2, mask)        (biased, divides by n)
+        var = var * n / (n - 1)                          (unbiased / Bessel-corrected)
+        with n = sum(mask)
+
+    Args:
+        values: (...) floating tensor, e.g. (B, T).
+        mask: same shape as ``values``; bool or 0/1 float.
+        unbiased: apply Bessel's correction (matches ``torch.var(values[mask])``).
+
+    Returns:
+        scalar tensor.
+
+    Raises:
+        ValueError: if the mask is empty, or has a single element while ``unbiased`` is True.
+            Checking this reads n on the host (one device sync per call).
+    """
+    assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
+    n = mask.sum()  # scalar
+    n_host = float(n)  # the single sync: needed to raise instead of silently returning NaN/inf
+    if n_host == 0:
+        raise ValueError("masked_var: the mask selects no elements; the variance is undefined.")
+    if unbiased and n_host == 1:
+        raise ValueError(
+            "masked_var: the mask selects a single element; the unbiased variance (n - 1 = 0) is "
+            "undefined. Use more elements or unbiased=False."
+        )
+    mean = masked_mean(values, mask)  # scalar
+    variance = masked_mean((values - mean) ** 2, mask)  # scalar
+    if unbiased:
+        variance = variance * (n_host / (n_host - 1))  # Bessel's correction
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalize ``values`` to zero mean and unit variance using masked statistics.
+
+        out = (values - mu) * rsqrt(var + 1e-8)
+        out = out + mu                    if not shift_mean (only the scale changes)
+        with mu = masked_mean(values, mask), var = masked_var(values, mask, unbiased=True)
+
+    Args:
+        values: (...) floating tensor, e.g. advantages (B, T).
+        mask: same shape as ``values``; bool or 0/1 float.
+        shift_mean: subtract the mean (True) or keep it (False, e.g. for rewards).
+
+    Returns:
+        tensor of ``values``' shape. Masked-out positions hold the same affine transform of their
+        input (they are not zeroed): callers must keep masking them.
+
+    Raises:
+        ValueError: from ``masked_var`` if the mask has fewer than 2 elements.
+    """
+    mean = masked_mean(values, mask)  # scalar
+    var = masked_var(values, mask, unbiased=True)  # scalar; asserts shapes, raises on tiny masks
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)  # (...)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+# ---------------------------------------------------------------------------------------------
+# token bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+
+def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Index of the first True in each row, or the row length T when a row has no True.
+
+        idx[b] = min({t : bools[b, t]} ∪ {T})
+
+    Args:
+        bools: (B, T) bool tensor (any leading dims work; the last dim is searched).
+        dtype: integer dtype of the result.
+
+    Returns:
+        (B,) tensor of indices in [0, T].
+    """
+    assert bools.dtype == torch.bool, f"first_true_indices expects a bool tensor, got {bools.dtype}"
+    row_len = bools.size(-1)
+    positions = torch.arange(row_len, dtype=dtype, device=bools.device)  # (T,)
+    # non-True positions count as T, so the row minimum is the first True or T when there is none
+    candidates = torch.where(bools, positions, torch.full_like(positions, row_len))  # (B, T)
+    return candidates.min(dim=-1).values  # (B,)
+
+
+def truncate_after_stop(responses: torch.Tensor, stop_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """Replace every token after the first stop token with ``pad_token_id``.
+
+        out[b, t] = responses[b, t]   if t <= first index of stop_token_id in row b
+                  = pad_token_id      otherwise
+
+    The stop token itself is kept; rows without a stop token are returned unchanged. Works when
+    ``stop_token_id == pad_token_id`` (everything from the first pad on is pad).
+
+    Args:
+        responses: (B, T) integer token ids (generated continuations, prompt excluded).
+        stop_token_id: e.g. the EOS token id.
+        pad_token_id: the id written after the stop token.
+
+    Returns:
+        (B, T) tensor of token ids, a new tensor (the input is not modified).
+    """
+    assert responses.dim() == 2, f"responses must be (B, T), got shape {tuple(responses.shape)}"
+    stop_idx = first_true_indices(responses == stop_token_id)  # (B,); T when there is no stop
+    positions = torch.arange(responses.size(1), device=responses.device)  # (T,)
+    keep = positions.unsqueeze(0) <= stop_idx.unsqueeze(1)  # (B, T)
+    return torch.where(keep, responses, torch.full_like(responses, pad_token_id))  # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probabilities and entropy
+# ---------------------------------------------------------------------------------------------
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) gathered at ``index``, without materializing the full (B, T, V) log-probs.
+
+        out[b, t] = logits[b, t, index[b, t]] - logsumexp_v(logits[b, t, v])
+
+    fp32 / fp64: gather the selected logits and subtract a logsumexp computed one row at a time,
+    so the peak extra memory is one (T, V) row instead of a (B, T, V) copy.
+    bf16 / fp16: ``logits - logsumexp`` loses precision in low-precision dtypes, so each row goes
+    through ``log_softmax`` (as TRL does); the extra memory is still one row.
+
+    Args:
+        logits: (B, T, V) floating tensor (already divided by the sampling temperature, if any).
+        index: (B, T) integer token ids to select.
+
+    Returns:
+        (B, T) log-probabilities in ``logits``' dtype; differentiable w.r.t. ``logits``.
+    """
+    assert logits.shape[:-1] == index.shape, (
+        f"logits {tuple(logits.shape)} must be index {tuple(index.shape)} plus a vocab dim"
+    )
+    if logits.dtype in (torch.float32, torch.float64):
+        selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        logsumexp = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # (B, T), row by row
+        return selected - logsumexp  # (B, T)
+    rows = []
+    for row_logits, row_index in zip(logits, index, strict=True):  # (T, V), (T,)
+        row_logps = F.log_softmax(row_logits, dim=-1)  # (T, V)
+        rows.append(row_logps.gather(dim=-1, index=row_index.unsqueeze(-1)).squeeze(-1))  # (T,)
+    return torch.stack(rows)  # (B, T)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution softmax(logits), per position.
+
+        H = -sum_v p_v log p_v = logsumexp(logits) - sum_v p_v * logits_v,   p = softmax(logits)
+
+    The second form never takes the log of a probability, so it stays finite when some p_v
+    underflow to 0; -inf logits (e.g. from top-k masking) are fine as long as one logit per
+    position is finite. Rows of the batch are processed one at a time to bound peak memory.
+
+    Args:
+        logits: (B, T, V) floating tensor.
+
+    Returns:
+        (B, T) entropies in nats.
+    """
+    assert logits.dim() >= 2, f"logits must be (B, T, V), got shape {tuple(logits.shape)}"
+    rows = []
+    for row_logits in logits:  # (T, V); one row at a time bounds the extra memory to (T, V) tensors
+        probs = torch.softmax(row_logits, dim=-1)  # (T, V)
+        # where p == 0 (a -inf or underflowed logit) the term p * logit is 0; zeroing the logit
+        # avoids 0 * -inf = NaN in the forward and in the gradient
+        safe_logits = row_logits.masked_fill(probs == 0, 0.0)  # (T, V)
+        rows.append(torch.logsumexp(row_logits, dim=-1) - (probs * safe_logits).sum(dim=-1))  # (T,)
+    return torch.stack(rows)  # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL penalty and advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi, elementwise.
+
+    With r = ref_logprobs - logprobs = log(pi_ref(x) / pi(x)) and x ~ pi:
+        "k1":  -r = logprobs - ref_logprobs          (unbiased, high variance, can be negative)
+        "k3":  (exp(r) - 1) - r                      (unbiased, lower variance, always >= 0)
+
+    See John Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html
+
+    Args:
+        logprobs: (B, T) log-probs of the sampled tokens under the policy.
+        ref_logprobs: (B, T) log-probs of the same tokens under the reference model.
+        estimator: "k1" or "k3".
+
+    Returns:
+        (B, T) per-token KL estimates (not masked: multiply by the response mask before summing).
+
+    Raises:
+        ValueError: for an unknown estimator.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    assert logprobs.shape == ref_logprobs.shape, (
+        f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ"
+    )
+    if estimator == "k1":
+        return logprobs - ref_logprobs  # (B, T)
+    log_ratio = ref_logprobs - logprobs  # (B, T), r = log(pi_ref / pi)
+    return torch.expm1(log_ratio) - log_ratio  # (B, T); expm1 is exact for small r
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation, computed backwards over time.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t            with V_T = 0 (episode ends after T-1)
+        A_t     = delta_t + gamma * lam * A_{t+1}         with A_T = 0
+        returns = A + V
+
+    Padding after the end of a response is not handled here: set rewards and values to 0 at
+    padding positions before calling (so they add nothing), and mask the outputs afterwards.
+
+    Outputs are computed under ``torch.no_grad`` and never carry autograd history: advantages and
+    returns are regression / policy-gradient targets, not something to differentiate through.
+
+    Args:
+        rewards: (B, T) per-token rewards (e.g. -beta * KL, plus the score on the last token).
+        values: (B, T) value estimates V(s_t) from the rollout.
+        gamma: discount factor in [0, 1].
+        lam: GAE lambda in [0, 1].
+
+    Returns:
+        (advantages, returns), both (B, T), detached.
+    """
+    assert rewards.shape == values.shape, (
+        f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} differ"
+    )
+    assert rewards.dim() == 2, f"rewards/values must be (B, T), got shape {tuple(rewards.shape)}"
+    with torch.no_grad():
+        num_steps = rewards.size(1)
+        next_advantage = torch.zeros_like(values[:, 0])  # (B,), A_T = 0
+        next_value = torch.zeros_like(values[:, 0])  # (B,), V_T = 0
+        advantages_reversed = []
+        for t in reversed(range(num_steps)):  # T is a response length: a Python loop is cheap
+            delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+            next_advantage = delta + gamma * lam * next_advantage  # (B,)
+            next_value = values[:, t]
+            advantages_reversed.append(next_advantage)
+        advantages = torch.stack(advantages_reversed[::-1], dim=1)  # (B, T)
+        returns = advantages + values  # (B, T)
+    return advantages, returns
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """REINFORCE Leave-One-Out advantages: each sample's reward minus the mean of its siblings.
+
+        A[p, i] = R[p, i] - (sum_j R[p, j] - R[p, i]) / (k - 1)
+
+    Args:
+        rewards: (num_prompts, k) sequence-level rewards, the k samples of a prompt in one row.
+            A flat batch laid out prompt-major (p0s0, p0s1, ..., p1s0, ...) is
+            ``rewards.view(-1, k)``; a sample-major one (p0s0, p1s0, ..., p0s1, ...) is
+            ``rewards.view(k, -1).T``.
+
+    Returns:
+        (num_prompts, k) advantages; each row sums to 0.
+    """
+    assert rewards.dim() == 2, f"rewards must be (num_prompts, k), got shape {tuple(rewards.shape)}"
+    k = rewards.size(1)
+    assert k >= 2, f"RLOO needs k >= 2 samples per prompt for a leave-one-out baseline, got k={k}"
+    baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (k - 1)  # (P, k), mean of the others
+    return rewards - baseline  # (P, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# PPO losses
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate policy loss (to minimize).
+
+        ratio    = exp(logprobs - old_logprobs)
+        loss     = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps)), mask)
+        clipfrac = masked_mean(-A * clamp(ratio, 1 - eps, 1 + eps) > -A * ratio, mask)
+
+    ``old_logprobs`` and ``advantages`` are treated as constants (detached).
+
+    Args:
+        logprobs: (B, T) log-probs of the taken tokens under the current policy (with grad).
+            (B, 1) works as well, for sequence-level log-probs.
+        old_logprobs: (B, T) log-probs of the same tokens at rollout time.
+        advantages: (B, T) advantages (already whitened, if desired).
+        mask: (B, T) bool or 0/1 float; True at real response tokens.
+        cliprange: epsilon, e.g. 0.2.
+
+    Returns:
+        (loss, clipfrac): scalar tensors; ``loss`` keeps the graph w.r.t. ``logprobs``,
+        ``clipfrac`` (fraction of masked tokens where the clipped term was active) has no grad.
+    """
+    assert logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape, (
+        f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)}, "
+        f"advantages {tuple(advantages.shape)}, mask {tuple(mask.shape)}"
+    )
+    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    pg_losses = -advantages * ratio  # (B, T)
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)  # (B, T)
+    # pessimistic bound: the max of the two losses = the min of the two surrogate objectives
+    loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)  # scalar
+    clipfrac = masked_mean((pg_losses_clipped > pg_losses).to(pg_losses.dtype), mask).detach()  # scalar
+    return loss, clipfrac
+
+
+def ppo_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped value loss (to minimize).
+
+        v_clipped = old_values + clamp(values - old_values, -eps, eps)
+        loss      = 0.5 * masked_mean(max((values - R)^2, (v_clipped - R)^2), mask)
+        clipfrac  = masked_mean((v_clipped - R)^2 > (values - R)^2, mask)
+
+    ``old_values`` and ``returns`` are treated as constants (detached).
+
+    Args:
+        values: (B, T) value predictions of the current value head (with grad).
+        old_values: (B, T) value predictions at rollout time.
+        returns: (B, T) regression targets, e.g. from ``gae``.
+        mask: (B, T) bool or 0/1 float; True at real response tokens.
+        cliprange_value: epsilon for the value clipping, in the units of the values, e.g. 0.2.
+
+    Returns:
+        (loss, clipfrac): scalar tensors; ``loss`` keeps the graph w.r.t. ``values``,
+        ``clipfrac`` (fraction of masked tokens where the clipped term was larger) has no grad.
+    """
+    assert values.shape == old_values.shape == returns.shape == mask.shape, (
+        f"shape mismatch: values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, "
+        f"returns {tuple(returns.shape)}, mask {tuple(mask.shape)}"
+    )
+    old_values, returns = old_values.detach(), returns.detach()
+    delta = torch.clamp(values - old_values, -cliprange_value, cliprange_value)  # (B, T)
+    values_clipped = old_values + delta  # (B, T)
+    vf_losses = (values - returns) ** 2  # (B, T)
+    vf_losses_clipped = (values_clipped - returns) ** 2  # (B, T)
+    loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses_clipped), mask)  # scalar
+    clipfrac = masked_mean((vf_losses_clipped > vf_losses).to(vf_losses.dtype), mask).detach()  # scalar
+    return loss, clipfrac

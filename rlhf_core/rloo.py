@@ -1,0 +1,90 @@
+"""RLOO (REINFORCE Leave-One-Out, Ahmadian et al. 2024): k completions per prompt, no value model.
+
+Each completion's advantage is its reward minus the mean reward of the other k-1 completions of
+the same prompt. Episodes are laid out prompt-major: rows [i*k, (i+1)*k) share prompt i.
+
+KL placement (`rloo.kl_level`):
+- "sequence" (TRL's RLOOTrainer): reward = score - kl_coef * sum_t KL_t; one advantage and one
+  clipped ratio per sequence (the ratio of summed log-probs).
+- "token": per-token reward-to-go G_t = score - kl_coef * sum_{t'>=t} KL_t', baselined by the
+  leave-one-out mean of G_0; per-token advantages and clipped per-token ratios, so a token is
+  not blamed for KL spent before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from rlhf_core import ops
+from rlhf_core.config import RLConfig
+from rlhf_core.rollout import PolicyOutput, Rollout
+
+USES_VALUE_MODEL = False
+
+
+def _standardize(x: Tensor, ref: Tensor, clip: float) -> Tensor:
+    """(x - mean(ref)) / std(ref), clipped to +-clip (TRL's normalize_reward)."""
+    return ((x - ref.mean()) / (ref.std() + 1e-8)).clamp(-clip, clip)
+
+
+def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str, Tensor]]:
+    """Fill advantages ((B, 1) sequence-level or (B, R) token-level) and per-episode stats (B,)."""
+    opts, k, mask = cfg.rloo, cfg.rloo.rloo_k, batch.response_mask
+    kl = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * mask  # (B, R)
+    non_score_reward = -cfg.kl_coef * kl.sum(1)  # (B,)
+    rlhf_reward = batch.scores + non_score_reward  # (B,)
+    stats = {"kl": kl.sum(1), "non_score_reward": non_score_reward, "rlhf_reward": rlhf_reward}
+
+    if opts.kl_level == "sequence":
+        reward = _standardize(rlhf_reward, rlhf_reward, opts.reward_clip_range) if opts.normalize_reward \
+            else rlhf_reward
+        advantages = ops.rloo_advantages(reward.view(-1, k)).view(-1, 1)  # (B, 1)
+        if opts.normalize_advantage:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        rewards = None
+    else:
+        rewards = -cfg.kl_coef * kl  # (B, R)
+        last = (batch.response_lengths - 1).clamp(min=0)
+        rewards[torch.arange(len(batch), device=kl.device), last] += batch.scores
+        to_go = rewards.flip(1).cumsum(1).flip(1)  # (B, R) G_t = sum_{t' >= t} r_t'
+        if opts.normalize_reward:
+            to_go = _standardize(to_go, to_go[:, 0], opts.reward_clip_range)
+        start = to_go[:, 0]  # (B,) G_0, the whole episode's reward
+        baseline = start - ops.rloo_advantages(start.view(-1, k)).view(-1)  # (B,) leave-one-out mean
+        advantages = to_go - baseline[:, None]
+        if opts.normalize_advantage:
+            advantages = ops.masked_whiten(advantages, mask)
+        advantages = advantages * mask
+    filled = replace(batch, rewards=rewards, advantages=advantages)
+    return filled, stats
+
+
+def loss_units(batch: Rollout) -> Tensor:
+    """Units the loss averages over, per episode (B,): one per sequence, or response tokens."""
+    if batch.advantages.shape[1] == 1:
+        return torch.ones(len(batch), dtype=torch.long, device=batch.queries.device)
+    return batch.response_mask.sum(1)
+
+
+def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped REINFORCE loss with the leave-one-out advantage (sequence- or token-level ratio)."""
+    mask = mb.response_mask
+    if mb.advantages.shape[1] == 1:  # sequence level: ratio of summed log-probs
+        new, old = (out.logprobs * mask).sum(1, keepdim=True), (mb.logprobs * mask).sum(1, keepdim=True)
+        unit_mask = torch.ones_like(new, dtype=torch.bool)  # (B, 1)
+    else:
+        new, old, unit_mask = out.logprobs, mb.logprobs, mask
+    pg_loss, pg_clipfrac = ops.ppo_policy_loss(new, old, mb.advantages, unit_mask, cfg.cliprange)
+    with torch.no_grad():
+        logratio = new - old
+        stats = {
+            "policy/approxkl_avg": 0.5 * ops.masked_mean(logratio**2, unit_mask),
+            "policy/clipfrac_avg": pg_clipfrac,
+            "policy/entropy_avg": ops.masked_mean(out.entropy, mask),
+            "loss/policy_avg": pg_loss.detach(),
+            "val/ratio": ops.masked_mean(logratio.exp(), unit_mask),
+        }
+    return pg_loss, stats

@@ -1,0 +1,193 @@
+"""Rollouts: sampling completions from left-padded prompts, and the one container a batch travels in.
+
+Layout of every sequence (prompt left-padded to P, response right-padded to R):
+
+    [pad pad q q q q | r r r EOS pad pad]      query_mask ++ response_mask
+     <----- P -----> | <------ R ------>
+
+Position ids come from the attention mask (`cumsum - 1`), so left padding shifts nothing: the
+policy sees the same positions at sampling time, when log-probs are recomputed, and in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig
+
+from rlhf_core import ops
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One batch of episodes, filled phase by phase (rollout → score → advantages).
+
+    Shapes: B episodes, P prompt tokens (left-padded), R response tokens (right-padded).
+    """
+
+    queries: Tensor  # (B, P) prompt ids, left-padded
+    query_mask: Tensor  # (B, P) bool, True on real prompt tokens
+    responses: Tensor  # (B, R) ids truncated after the stop token, pad after
+    response_mask: Tensor  # (B, R) bool, True on response tokens up to and including the stop token
+    logprobs: Tensor  # (B, R) policy log-probs at sampling time (temperature-scaled), 0 on padding
+    ref_logprobs: Tensor  # (B, R) reference-policy log-probs, 0 on padding
+    contains_stop: Tensor  # (B,) bool, the completion emitted the stop token
+    values: Tensor | None = None  # (B, R) value estimates at sampling time (PPO), 0 on padding
+    scores: Tensor | None = None  # (B,) reward of each completion, penalties included
+    rewards: Tensor | None = None  # (B, R) per-token rewards (PPO, token-level RLOO)
+    advantages: Tensor | None = None  # (B, R) or (B, 1) for sequence-level RLOO
+    returns: Tensor | None = None  # (B, R) value targets (PPO)
+
+    @property
+    def context_length(self) -> int:
+        return self.queries.shape[1]
+
+    @property
+    def response_lengths(self) -> Tensor:  # (B,)
+        return self.response_mask.sum(1)
+
+    @property
+    def input_ids(self) -> Tensor:  # (B, P + R)
+        return torch.cat([self.queries, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:  # (B, P + R)
+        return torch.cat([self.query_mask, self.response_mask], dim=1)
+
+    def __len__(self) -> int:
+        return self.queries.shape[0]
+
+    def __getitem__(self, index: Tensor | slice) -> Rollout:
+        """The episodes at `index` (a micro-batch)."""
+        return replace(self, **{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
+
+    @classmethod
+    def cat(cls, parts: Sequence[Rollout]) -> Rollout:
+        """Concatenate rollouts of equal P and R along the episode dimension."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(p, f.name) for p in parts]
+            out[f.name] = None if values[0] is None else torch.cat(values, dim=0)
+        return cls(**out)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        return replace(self, **{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _take(t: Tensor | None, index: Tensor | slice) -> Tensor | None:
+    return None if t is None else t[index]
+
+
+def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Token lists → (ids, mask), both (B, P) with P the longest sequence, padded on the left."""
+    assert len(sequences) > 0 and all(len(s) > 0 for s in sequences), "empty prompt in batch"
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = True
+    return ids, mask
+
+
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """(B, T) mask → (B, T) positions counting only real tokens (0 on left padding)."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor],
+                    temperature: float) -> Tensor:
+    """Temperature-scaled logits that predicted each response token: (B, R, V).
+
+    The logits at position t predict token t+1, hence the slice [P-1, P+R-1).
+    """
+    queries, query_mask, responses, response_mask = _parts(batch)
+    input_ids = torch.cat([queries, responses], dim=1)  # (B, P+R)
+    mask = torch.cat([query_mask, response_mask], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    P = queries.shape[1]
+    return logits[:, P - 1:-1].float() / temperature  # (B, R, V)
+
+
+def _parts(batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if isinstance(batch, Rollout):
+        return batch.queries, batch.query_mask, batch.responses, batch.response_mask
+    return batch
+
+
+def backbone_hidden(model: nn.Module, input_ids: Tensor, mask: Tensor) -> Tensor:
+    """Last hidden states of a `*ForSequenceClassification` model's backbone: (B, T, H).
+
+    Going through the backbone (not the model's own forward, which picks the "last non-pad token"
+    by searching for pad ids) lets us choose the scored token ourselves, so pad == EOS tokenizers
+    and left padding are handled (see TRL's `get_reward`).
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    return backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
+
+
+def score_head(model: nn.Module) -> nn.Module:
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, nn.Module):
+            return head
+    raise TypeError(f"{type(model).__name__} has no `score` or `classifier` head; expected an "
+                    "AutoModelForSequenceClassification with num_labels=1")
+
+
+def token_values(value_model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+    """Value of the state before each response token: (B, R) (TRL: `vpred[:, P-1:-1]`)."""
+    queries, query_mask, responses, response_mask = _parts(batch)
+    input_ids = torch.cat([queries, responses], dim=1)
+    mask = torch.cat([query_mask, response_mask], dim=1)
+    hidden = backbone_hidden(value_model, input_ids, mask)  # (B, P+R, H)
+    P = queries.shape[1]
+    return score_head(value_model)(hidden[:, P - 1:-1]).squeeze(-1).float()  # (B, R)
+
+
+@torch.no_grad()
+def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int,
+                     temperature: float, pad_token_id: int, stop_token_id: int | None) -> Tensor:
+    """Sample (B, R) responses with the KV cache; rows that stopped early are padded to R.
+
+    Pure sampling from softmax(logits / T): top_k 0 and top_p 1 disable truncation, so the
+    log-probs recomputed in training describe exactly the distribution that was sampled.
+    """
+    config = GenerationConfig(
+        max_new_tokens=response_length, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+        pad_token_id=pad_token_id, eos_token_id=stop_token_id, use_cache=True,
+    )
+    out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config)
+    responses = out[:, queries.shape[1]:]  # (B, <=R)
+    if responses.shape[1] < response_length:  # every row stopped before R
+        fill = responses.new_full((responses.shape[0], response_length - responses.shape[1]), pad_token_id)
+        responses = torch.cat([responses, fill], dim=1)
+    return responses
+
+
+def stop_mask(responses: Tensor, stop_token_id: int | None) -> tuple[Tensor, Tensor]:
+    """(B, R) ids → (response_mask, contains_stop): tokens through the first stop token are real."""
+    B, R = responses.shape
+    if stop_token_id is None:
+        return torch.ones_like(responses, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
+    is_stop = responses == stop_token_id
+    first_stop = ops.first_true_indices(is_stop)  # (B,), R when none
+    lengths = (first_stop + 1).clamp(max=R)
+    mask = torch.arange(R, device=responses.device)[None, :] < lengths[:, None]
+    return mask, is_stop.any(1)
+
+
+@dataclass(frozen=True)
+class PolicyOutput:
+    """What the training forward of a micro-batch produces (with grad)."""
+
+    logprobs: Tensor  # (B, R) log-probs of the sampled tokens under the current policy
+    entropy: Tensor  # (B, R) entropy of the current policy at each response position
+    values: Tensor | None = None  # (B, R) current value estimates (PPO)

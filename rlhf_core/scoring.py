@@ -1,0 +1,89 @@
+"""Scorers: how a completion gets its scalar reward.
+
+A scorer maps a rollout to a (B,) float tensor. Three kinds compose:
+- `RewardModelScorer`: an `AutoModelForSequenceClassification` (num_labels=1) scoring the LAST REAL
+  TOKEN of prompt + truncated response (the stop token when there is one), as TRL and the
+  summarize-from-feedback reward models do.
+- `FunctionScorer`: any `(prompts, completions) -> floats` over decoded text (a rule, a gold reward).
+- `WeightedScorer`: a weighted sum of scorers.
+The missing-EOS penalty is the trainer's (it is configuration, not a property of the scorer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_core.rollout import Rollout, backbone_hidden, score_head
+
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+
+class Scorer(Protocol):
+    def __call__(self, batch: Rollout) -> Tensor:  # (B,) float32
+        ...
+
+
+def last_token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                      last_index: Tensor) -> Tensor:
+    """Score head output at `last_index` of each row: (B,).
+
+    input_ids / attention_mask (B, T); last_index (B,) the position of each row's last real token.
+    """
+    hidden = backbone_hidden(model, input_ids, attention_mask)  # (B, T, H)
+    last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, H)
+    return score_head(model)(last).squeeze(-1).float()  # (B,)
+
+
+class RewardModelScorer:
+    """Scores with a sequence-classification reward model, in chunks of `batch_size` rows."""
+
+    def __init__(self, model: nn.Module, batch_size: int = 64):
+        num_labels = getattr(model.config, "num_labels", None)
+        if num_labels != 1:
+            raise ValueError(f"reward model must have num_labels=1, got {num_labels}")
+        self.model = model.eval().requires_grad_(False)
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def __call__(self, batch: Rollout) -> Tensor:
+        device = next(self.model.parameters()).device
+        out = []
+        for start in range(0, len(batch), self.batch_size):
+            chunk = batch[start:start + self.batch_size].to(device)
+            last = chunk.context_length + chunk.response_lengths - 1  # (b,) last real token
+            out.append(last_token_scores(self.model, chunk.input_ids, chunk.attention_mask, last))
+        return torch.cat(out).to(batch.queries.device)
+
+
+class FunctionScorer:
+    """Scores decoded text with a plain Python function (prompts, completions) -> floats."""
+
+    def __init__(self, fn: RewardFn, tokenizer):
+        self.fn = fn
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: Rollout) -> Tensor:
+        prompts = self.tokenizer.batch_decode(
+            [q[m].tolist() for q, m in zip(batch.queries, batch.query_mask, strict=True)], skip_special_tokens=True)
+        completions = self.tokenizer.batch_decode(
+            [r[m].tolist() for r, m in zip(batch.responses, batch.response_mask, strict=True)], skip_special_tokens=True)
+        scores = list(self.fn(prompts, completions))
+        if len(scores) != len(batch):
+            raise ValueError(f"reward function returned {len(scores)} scores for {len(batch)} completions")
+        return torch.tensor(scores, dtype=torch.float32, device=batch.queries.device)
+
+
+class WeightedScorer:
+    """sum_i w_i * scorer_i(batch)."""
+
+    def __init__(self, terms: Sequence[tuple[float, Scorer]]):
+        if not terms:
+            raise ValueError("WeightedScorer needs at least one (weight, scorer) term")
+        self.terms = list(terms)
+
+    def __call__(self, batch: Rollout) -> Tensor:
+        return sum(w * scorer(batch) for w, scorer in self.terms)

@@ -1,0 +1,308 @@
+"""The RL loop shared by PPO and RLOO: rollout → score → advantages → update → log.
+
+Each phase is a method whose temporaries die when it returns. The algorithm (ppo.py / rloo.py)
+supplies only what differs: `compute_advantages`, `loss`, `loss_units` and whether a value model
+is trained. Distribution, mixed precision and DeepSpeed come from accelerate.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import Tensor, nn
+from transformers import get_scheduler
+
+from rlhf_core import ops, ppo, rloo
+from rlhf_core.config import BatchPlan, RLConfig
+from rlhf_core.data import PromptSampler
+from rlhf_core.metrics import MetricAccumulator
+from rlhf_core.models import disable_dropout
+from rlhf_core.rollout import (
+    PolicyOutput,
+    Rollout,
+    left_pad,
+    response_logits,
+    sample_responses,
+    stop_mask,
+    token_values,
+)
+from rlhf_core.scoring import Scorer
+from rlhf_core.tracking import NullTracker, Tracker
+
+ALGORITHMS = {"ppo": ppo, "rloo": rloo}
+
+
+class PolicyAndValue(nn.Module):
+    """Policy (and PPO's value model) as one module: one optimizer and one DDP/DeepSpeed wrapper own both."""
+
+    def __init__(self, policy: nn.Module, value: nn.Module | None = None):
+        super().__init__()
+        self.policy = policy
+        self.value = value
+
+    def forward(self, queries: Tensor, query_mask: Tensor, responses: Tensor, response_mask: Tensor,
+                temperature: float) -> PolicyOutput:
+        parts = (queries, query_mask, responses, response_mask)
+        logits = response_logits(self.policy, parts, temperature)  # (B, R, V)
+        logprobs = ops.selective_log_softmax(logits, responses) * response_mask  # (B, R)
+        with torch.no_grad():  # a logged statistic, not part of the loss
+            entropy = ops.entropy_from_logits(logits)  # (B, R)
+        values = None if self.value is None else token_values(self.value, parts)  # (B, R)
+        return PolicyOutput(logprobs=logprobs, entropy=entropy, values=values)
+
+
+@dataclass
+class TrainerState:
+    """Where a run stands; saved with every checkpoint."""
+
+    update: int = 0
+    """Updates completed."""
+    episode: int = 0
+    """Episodes (completions) consumed across all processes."""
+    sampler: dict = field(default_factory=dict)
+    """The prompt sampler's position."""
+
+
+class RLTrainer:
+    """Trains `policy` against `scorer` with PPO or RLOO as `cfg.algo` says.
+
+    prompts: tokenized prompts (no padding); the reference policy is a frozen copy of `policy`
+    unless given (or, for a PEFT policy, the base model with the adapter disabled).
+    """
+
+    def __init__(self, cfg: RLConfig, policy: nn.Module, scorer: Scorer, prompts: Sequence[Sequence[int]], *,
+                 pad_token_id: int, stop_token_id: int | None, value_model: nn.Module | None = None,
+                 ref_policy: nn.Module | None = None, accelerator: Accelerator | None = None,
+                 tracker: Tracker | None = None, checkpoint_dir: str | Path | None = None):
+        self.cfg = cfg
+        self.algo = ALGORITHMS[cfg.algo]
+        if self.algo.USES_VALUE_MODEL and value_model is None:
+            raise ValueError(f"algo={cfg.algo!r} needs a value_model (a sequence classifier, num_labels=1)")
+        self.accelerator = accelerator or Accelerator(
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
+        if self.accelerator.gradient_accumulation_steps != cfg.gradient_accumulation_steps:
+            raise ValueError("the accelerator's gradient_accumulation_steps must equal the config's")
+        self.plan = BatchPlan.derive(cfg, self.accelerator.num_processes)
+        set_seed(cfg.seed, device_specific=True)  # ranks sample different completions
+        self.pad_token_id, self.stop_token_id = pad_token_id, (stop_token_id if cfg.stop_token else None)
+        self.scorer, self.prompts = scorer, prompts
+        self.tracker = tracker or NullTracker()
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.state = TrainerState()
+        self.sampler = PromptSampler(len(prompts), self.plan.local_prompts, seed=cfg.seed,
+                                     rank=self.accelerator.process_index,
+                                     num_processes=self.accelerator.num_processes)
+        device = self.accelerator.device
+
+        for model in (policy, value_model):
+            if model is not None:
+                disable_dropout(model)  # dropout would make rollout and training log-probs disagree
+        self.ref_policy = self._frozen_reference(policy, ref_policy, device)
+        model = PolicyAndValue(policy, None if not self.algo.USES_VALUE_MODEL else value_model)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        scheduler = get_scheduler(cfg.lr_scheduler, optimizer,
+                                  num_warmup_steps=int(cfg.warmup_ratio * self.plan.num_optimizer_steps),
+                                  num_training_steps=self.plan.num_optimizer_steps)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+
+    @staticmethod
+    def _frozen_reference(policy: nn.Module, ref: nn.Module | None, device: torch.device) -> nn.Module | None:
+        if ref is None and hasattr(policy, "disable_adapter"):
+            return None  # PEFT: the reference is the base model, adapter disabled
+        ref = ref if ref is not None else copy.deepcopy(policy)
+        disable_dropout(ref)
+        return ref.to(device).eval().requires_grad_(False)
+
+    @property
+    def unwrapped(self) -> PolicyAndValue:
+        return self.accelerator.unwrap_model(self.model)
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> list[dict[str, float]]:
+        """Run the remaining updates; returns the logged metrics of each update run here."""
+        history, start = [], time.perf_counter()
+        start_episode = self.state.episode
+        while self.state.update < self.plan.num_updates:
+            metrics = MetricAccumulator()
+            with metrics.timer("time/rollout_s"):
+                batch = self.rollout(self.sampler.next_indices())
+            with metrics.timer("time/score_s"):
+                batch = self.score(batch)
+            with metrics.timer("time/advantages_s"):
+                batch, episode_stats = self.algo.compute_advantages(batch, self.cfg)
+            with metrics.timer("time/update_s"):
+                self.optimize(batch, metrics)
+            self.state.update += 1
+            self.state.episode += self.plan.batch_size
+            logs = self.log(batch, episode_stats, metrics, elapsed=time.perf_counter() - start,
+                            episodes=self.state.episode - start_episode)
+            history.append(logs)
+            if self.checkpoint_dir and self._checkpoint_due():
+                self.save_checkpoint()
+        return history
+
+    @torch.no_grad()
+    def rollout(self, prompt_indices: Sequence[int]) -> Rollout:
+        """Sample completions for this process's prompts (each repeated k times for RLOO)."""
+        k = self.cfg.samples_per_prompt
+        queries, query_mask = left_pad([self.prompts[i] for i in prompt_indices for _ in range(k)],
+                                       self.pad_token_id)  # (B, P)
+        queries, query_mask = queries.to(self.accelerator.device), query_mask.to(self.accelerator.device)
+        step = self.cfg.local_rollout_forward_batch_size
+        return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step])
+                            for i in range(0, len(queries), step)])
+
+    def _rollout_chunk(self, queries: Tensor, query_mask: Tensor) -> Rollout:
+        model, cfg = self.unwrapped, self.cfg
+        responses = sample_responses(model.policy, queries, query_mask, response_length=cfg.response_length,
+                                     temperature=cfg.temperature, pad_token_id=self.pad_token_id,
+                                     stop_token_id=self.stop_token_id)  # (b, R)
+        if self.stop_token_id is not None:
+            responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
+        response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
+        parts = (queries, query_mask, responses, response_mask)
+        logprobs = self._logprobs(model.policy, parts)
+        if self.ref_policy is None:
+            with model.policy.disable_adapter():
+                ref_logprobs = self._logprobs(model.policy, parts)
+        else:
+            ref_logprobs = self._logprobs(self.ref_policy, parts)
+        values = None if model.value is None else token_values(model.value, parts) * response_mask
+        return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
+                       logprobs=logprobs, ref_logprobs=ref_logprobs, contains_stop=contains_stop, values=values)
+
+    def _logprobs(self, policy: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+        logits = response_logits(policy, parts, self.cfg.temperature)  # (b, R, V)
+        return ops.selective_log_softmax(logits, parts[2]) * parts[3]  # (b, R), 0 on padding
+
+    def score(self, batch: Rollout) -> Rollout:
+        """Score each completion; subtract the missing-EOS penalty from those that never stopped."""
+        scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
+        if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
+            scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
+        return replace(batch, scores=scores)
+
+    def optimize(self, batch: Rollout, metrics: MetricAccumulator) -> None:
+        """num_epochs passes of shuffled mini-batches, each accumulated over micro-batches.
+
+        The loss of a micro-batch is its mean over loss units (tokens or sequences) rescaled to
+        its share of the whole mini-batch's units across processes, so one optimizer step sees the
+        exact mini-batch mean whatever the micro-batch x accumulation x process split.
+        """
+        cfg, plan, acc = self.cfg, self.plan, self.accelerator
+        units = self.algo.loss_units(batch).float()  # (B,)
+        generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.update)
+        self.model.train()
+        for _ in range(cfg.num_epochs):
+            order = torch.randperm(len(batch), generator=generator).to(batch.queries.device)
+            for mini in order.split(plan.local_mini_batch_size):
+                mini_units = acc.reduce(units[mini].sum(), reduction="sum")  # all processes' units
+                for micro in mini.split(plan.micro_batch_size):
+                    with acc.accumulate(self.model):
+                        mb = batch[micro]
+                        out = self.model(mb.queries, mb.query_mask, mb.responses, mb.response_mask,
+                                         cfg.temperature)
+                        loss, stats = self.algo.loss(out, mb, cfg)
+                        share = units[micro].sum() * plan.num_processes * cfg.gradient_accumulation_steps
+                        acc.backward(loss * share / mini_units)  # accelerate divides by the accumulation steps
+                        if acc.sync_gradients:
+                            if cfg.max_grad_norm is not None:
+                                grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                                if grad_norm is not None:
+                                    metrics.add("policy/grad_norm", grad_norm)
+                            self.optimizer.step()
+                            self.scheduler.step()
+                            self.optimizer.zero_grad()
+                        metrics.add_all(stats)
+
+    def log(self, batch: Rollout, episode_stats: dict[str, Tensor], metrics: MetricAccumulator, *,
+            elapsed: float, episodes: int) -> dict[str, float]:
+        """Reduce this update's metrics across processes (one collective) and hand them to the tracker."""
+        metrics.add_mean("objective/kl", episode_stats["kl"])
+        metrics.add_mean("objective/entropy", -batch.logprobs.sum(1))  # sampled-token estimate, as TRL
+        metrics.add_mean("objective/non_score_reward", episode_stats["non_score_reward"])
+        metrics.add_mean("objective/rlhf_reward", episode_stats["rlhf_reward"])
+        metrics.add_mean("objective/scores", batch.scores)
+        metrics.add_mean("val/response_length", batch.response_lengths.float())
+        metrics.add_total("val/num_eos_tokens", batch.contains_stop.sum())
+        logs = metrics.reduce(self.accelerator)
+        logs.update({"lr": self.scheduler.get_last_lr()[0], "episode": self.state.episode,
+                     "eps": episodes / max(elapsed, 1e-9), "update": self.state.update})
+        if self.accelerator.is_main_process:
+            self.tracker.log_metrics(logs, step=self.state.update)
+        return logs
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_due(self) -> bool:
+        every = self.cfg.checkpoint_every
+        last = self.state.update == self.plan.num_updates
+        return last or (every > 0 and self.state.update % every == 0)
+
+    def save_checkpoint(self) -> Path:
+        """Atomically save everything needed to resume: written to a temp dir, then renamed."""
+        assert self.checkpoint_dir is not None, "RLTrainer(checkpoint_dir=...) is not set"
+        final = self.checkpoint_dir / f"update-{self.state.update:06d}"
+        tmp = final.with_name(final.name + ".tmp")
+        acc = self.accelerator
+        if acc.is_main_process and tmp.exists():
+            shutil.rmtree(tmp)  # left by a crash
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=True)  # model, optimizer, scheduler, RNG states
+        if acc.is_main_process:
+            self.state.sampler = self.sampler.state_dict()
+            meta = {"trainer": asdict(self.state), "config": self.cfg.model_dump(mode="json")}
+            (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.checkpoint_dir)[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore a checkpoint written by `save_checkpoint`; `train()` then continues at the next update."""
+        path = Path(path)
+        meta_file = path / "trainer_state.json"
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"{path} is not a checkpoint: {meta_file.name} is missing")
+        meta = json.loads(meta_file.read_text())
+        saved = RLConfig.model_validate(meta["config"])
+        for key in ("algo", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                    "total_episodes", "seed"):
+            if getattr(saved, key) != getattr(self.cfg, key):
+                raise ValueError(f"checkpoint {path} was made with {key}={getattr(saved, key)!r}, "
+                                 f"this run has {key}={getattr(self.cfg, key)!r}")
+        self.accelerator.load_state(str(path))
+        self.state = TrainerState(**meta["trainer"])
+        self.sampler.load_state_dict(self.state.sampler)
+
+    def save_pretrained(self, policy_dir: str | Path, value_dir: str | Path | None = None) -> None:
+        """Save the trained policy (and value model) as safetensors, for `from_pretrained`."""
+        self.accelerator.wait_for_everyone()
+        model = self.unwrapped
+        if self.accelerator.is_main_process:
+            model.policy.save_pretrained(policy_dir, safe_serialization=True)
+            if value_dir is not None and model.value is not None:
+                model.value.save_pretrained(value_dir, safe_serialization=True)
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Complete checkpoints in `directory`, oldest first (temp dirs of interrupted saves excluded)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.glob("update-*") if p.is_dir() and not p.name.endswith(".tmp"))

@@ -1,0 +1,206 @@
+"""The demo world: determinism, the gold reward, the datasets' contracts, and the tokenizer."""
+
+import json
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from rlhf_core.world import (
+    Fact,
+    WorldConfig,
+    build_world,
+    gold_breakdown,
+    gold_reward,
+    parse_facts,
+    sample_post,
+    train_tokenizer,
+)
+from rlhf_core.world.tldr import reference_draft, words
+
+SMALL = WorldConfig(sft_train=2000, sft_eval=50, prefs_train=2000, prefs_eval=50, prompts_train=100,
+                    prompts_eval=50)
+TRAIN_SPLITS = ("sft_train", "prefs_train", "prompts_train")
+EVAL_SPLITS = ("sft_eval", "prefs_eval", "prompts_eval")
+
+PROMPT = (
+    "SUBREDDIT: r/personalfinance\n\nTITLE: need advice about my sister\n\n"
+    "POST: for context i am 24 and live in ohio. last week my sister spent my college fund. "
+    "my cousin sam loves fishing. in the end i froze my credit. honestly, should i cut them off?\n\nTL;DR:"
+)
+REFERENCE = " my sister spent my college fund and i froze my credit, should i cut them off?"
+
+
+@pytest.fixture(scope="module")
+def world():
+    return build_world(seed=0, config=SMALL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(world):
+    return train_tokenizer(text for rows in world.values() for row in rows for text in row.values())
+
+
+# ---- determinism and dataset contracts
+
+
+def test_same_seed_gives_identical_world(world):
+    assert json.dumps(build_world(seed=0, config=SMALL)) == json.dumps(world)
+
+
+def test_different_seeds_give_different_worlds(world):
+    other = build_world(seed=1, config=SMALL)
+    for split in world:
+        assert other[split] != world[split], split
+
+
+def test_splits_have_the_configured_sizes_and_dataset_formats(world):
+    sft, prefs = {"prompt", "completion"}, {"prompt", "chosen", "rejected"}
+    keys = {"sft_train": sft, "sft_eval": sft, "prefs_train": prefs, "prefs_eval": prefs,
+            "prompts_train": {"prompt"}, "prompts_eval": {"prompt", "reference"}}
+    assert world.keys() == keys.keys()
+    for split, rows in world.items():
+        assert len(rows) == getattr(SMALL, split), split
+        assert all(row.keys() == keys[split] for row in rows), split
+        assert all(row["prompt"].startswith("SUBREDDIT: r/") and row["prompt"].endswith("\n\nTL;DR:") for row in rows)
+        assert all(text.startswith(" ") for row in rows for key, text in row.items() if key != "prompt")
+
+
+def test_no_eval_prompt_appears_in_a_train_split(world):
+    train_prompts = {row["prompt"] for split in TRAIN_SPLITS for row in world[split]}
+    eval_prompts = {row["prompt"] for split in EVAL_SPLITS for row in world[split]}
+    assert len(eval_prompts) == sum(len(world[split]) for split in EVAL_SPLITS)
+    assert not train_prompts & eval_prompts
+
+
+def test_eval_splits_do_not_depend_on_train_sizes(world):
+    bigger = build_world(seed=0, config=WorldConfig(**{**vars(SMALL), "sft_train": 2100}))
+    for split in EVAL_SPLITS:
+        assert bigger[split] == world[split], split
+
+
+def test_sft_flawed_fraction_is_as_configured(world):
+    rows = world["sft_train"]
+    flawed = sum(gold_reward(r["prompt"], r["completion"]) < 1.0 for r in rows) / len(rows)
+    assert flawed == pytest.approx(SMALL.sft_flawed_fraction, abs=0.04)
+    clean = build_world(seed=0, config=WorldConfig(sft_train=200, sft_flawed_fraction=0.0, **_no_other_rows()))
+    assert all(gold_reward(r["prompt"], r["completion"]) == 1.0 for r in clean["sft_train"])
+
+
+def test_preference_labels_agree_with_gold_up_to_label_noise(world):
+    rows = world["prefs_train"]
+    assert all(r["chosen"] != r["rejected"] for r in rows)
+    agree = sum(gold_reward(r["prompt"], r["chosen"]) > gold_reward(r["prompt"], r["rejected"]) for r in rows)
+    assert agree / len(rows) == pytest.approx(1 - SMALL.label_noise, abs=0.03)
+    noiseless = build_world(seed=0, config=WorldConfig(prefs_train=200, label_noise=0.0, **_no_other_rows()))
+    assert all(gold_reward(r["prompt"], r["chosen"]) > gold_reward(r["prompt"], r["rejected"])
+               for r in noiseless["prefs_train"])
+
+
+def test_config_rejects_out_of_range_values():
+    with pytest.raises(AssertionError, match="label_noise"):
+        WorldConfig(label_noise=1.5)
+    with pytest.raises(AssertionError, match="sft_train"):
+        WorldConfig(sft_train=-1)
+
+
+def _no_other_rows() -> dict[str, int]:
+    return {"sft_eval": 0, "prefs_eval": 0, "prompts_train": 0, "prompts_eval": 0}
+
+
+# ---- facts and the gold reward
+
+
+def test_facts_are_recovered_from_the_prompt_text_alone():
+    rng = random.Random(0)
+    for _ in range(2000):
+        post = sample_post(rng)
+        assert parse_facts(post.prompt) == post.facts, post.prompt
+
+
+def test_references_of_generated_posts_score_exactly_one():
+    rng = random.Random(0)
+    for _ in range(2000):
+        post = sample_post(rng)
+        reference = reference_draft(post, rng).render()
+        assert gold_breakdown(post.prompt, reference).total == 1.0, (post.prompt, reference)
+
+
+def test_hand_written_prompt_parses_to_its_facts():
+    assert parse_facts(PROMPT) == (
+        Fact("incident", "my sister spent my college fund"),
+        Fact("outcome", "i froze my credit"),
+        Fact("ask", "should i cut them off"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("completion", "penalized"),
+    [
+        (" my sister spent my college fund and i froze my credit", "coverage"),
+        (" my sister and riley spent my college fund and i froze my credit, should i cut them off?", "invented"),
+        (" my sister spent my college fund, i froze my credit in boston, should i cut them off?", "invented"),
+        (" my sister spent my college fund, my cousin sam loves fishing, i froze my credit, should i cut them off?",
+         "distraction"),
+        (" my sister spent my college fund and i froze my credit and i froze my credit, should i cut them off?",
+         "repetition"),
+        (" my sister spent my college fund and i froze my credit, should i cut them off? it has been a really long "
+         "and stressful week for everyone involved here", "brevity"),
+    ],
+)
+def test_each_flaw_lowers_its_component_and_the_total(completion, penalized):
+    reference, flawed = gold_breakdown(PROMPT, REFERENCE), gold_breakdown(PROMPT, completion)
+    assert reference.total == 1.0
+    assert getattr(flawed, penalized) < getattr(reference, penalized)
+    assert flawed.total < reference.total - 0.05
+
+
+def test_missing_eos_is_penalized():
+    assert gold_reward(PROMPT, REFERENCE, ended_with_eos=False) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    ["", "   ", "?!.,", "\x00\n\t漢字 ünïcödé", "TL;DR: SUBREDDIT: POST:", "[EOS][PAD]", " the the the the " * 200,
+     " " + " ".join(["riley boston aunt"] * 50)],
+)
+def test_garbage_completions_score_low_without_raising(completion):
+    assert -1.0 <= gold_reward(PROMPT, completion, ended_with_eos=False) <= 0.0
+    assert gold_reward(PROMPT, completion) <= 0.0
+
+
+def test_prompts_from_outside_the_world_give_zero_coverage():
+    assert parse_facts("not a tldr prompt") == ()
+    assert gold_breakdown("", " anything at all").coverage == 0.0
+
+
+# ---- tokenizer
+
+
+def test_tokenizer_special_tokens_and_defaults(tokenizer):
+    assert (tokenizer.pad_token, tokenizer.eos_token, tokenizer.unk_token) == ("[PAD]", "[EOS]", "[UNK]")
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2)
+    assert tokenizer.padding_side == "right"
+    assert tokenizer.eos_token_id not in tokenizer(REFERENCE).input_ids
+
+
+def test_tokenizer_round_trips_world_text_without_unknown_tokens(world, tokenizer):
+    for row in world["sft_train"][:200] + world["prompts_eval"]:
+        for text in row.values():
+            ids = tokenizer(text).input_ids
+            assert tokenizer.unk_token_id not in ids
+            assert tokenizer.decode(ids) == text
+        completion = row.get("completion", row.get("reference"))
+        joined = tokenizer(row["prompt"] + completion).input_ids
+        assert joined == tokenizer(row["prompt"]).input_ids + tokenizer(completion).input_ids
+    assert len(tokenizer) <= 2048
+    assert len(tokenizer(REFERENCE).input_ids) <= len(words(REFERENCE)) + 3  # ~ one token per word
+
+
+def test_tokenizer_save_and_load(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert (loaded.pad_token_id, loaded.eos_token_id, loaded.unk_token_id) == (0, 1, 2)
+    assert loaded.get_vocab() == tokenizer.get_vocab()
+    assert loaded(PROMPT + REFERENCE).input_ids == tokenizer(PROMPT + REFERENCE).input_ids
+    assert loaded.decode(loaded(PROMPT).input_ids) == PROMPT
