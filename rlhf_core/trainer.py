@@ -130,11 +130,13 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self) -> list[dict[str, float]]:
-        """Run the remaining updates; returns the logged metrics of each update run here."""
+    def train(self, max_updates: int | None = None) -> list[dict[str, float]]:
+        """Run the remaining updates (at most `max_updates` in this call); returns each update's metrics."""
         history, start = [], time.perf_counter()
         start_episode = self.state.episode
-        while self.state.update < self.plan.num_updates:
+        stop_at = self.plan.num_updates if max_updates is None else min(self.plan.num_updates,
+                                                                         self.state.update + max_updates)
+        while self.state.update < stop_at:
             metrics = MetricAccumulator()
             with metrics.timer("time/rollout_s"):
                 batch = self.rollout(self.sampler.next_indices())

@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny word-level world where learning is fast and measurable."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from rlhf_core.bench import word_tokenizer  # noqa: E402
+from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config  # noqa: E402
+
+TINY_VOCAB = 16
+TARGET_WORD = "w7"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return word_tokenizer(TINY_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return tiny_gpt_neox_config(vocab_size=TINY_VOCAB, hidden_size=32, num_layers=2, num_heads=2,
+                                intermediate_size=64, max_positions=64)
+
+
+@pytest.fixture
+def make_policy(tiny_config):
+    return lambda seed=0: init_causal_lm(tiny_config, seed=seed)
+
+
+@pytest.fixture
+def make_scorer_model(tiny_config):
+    return lambda seed=1: init_sequence_scorer(tiny_config, seed=seed)
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 7, (64,), generator=generator).tolist()
+    return [torch.randint(2, TINY_VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def target_fraction(prompts: list[str], completions: list[str]) -> list[float]:
+    """A learnable reward: the fraction of the completion's words that are the target word."""
+    return [c.split().count(TARGET_WORD) / max(len(c.split()), 1) for c in completions]

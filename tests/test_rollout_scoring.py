@@ -1,0 +1,165 @@
+"""Rollout sampling, log-prob consistency, scoring conventions, config and data plumbing."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from conftest import target_fraction
+from rlhf_core.config import BatchPlan, RLConfig
+from rlhf_core.data import PromptSampler
+from rlhf_core.metrics import MetricAccumulator
+from rlhf_core.rollout import Rollout, left_pad, position_ids, sample_responses, stop_mask
+from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer
+from rlhf_core.trainer import RLTrainer
+
+
+def make_batch(queries, query_mask, responses, stop_token_id=1):
+    response_mask, contains_stop = stop_mask(responses, stop_token_id)
+    zeros = torch.zeros(responses.shape)
+    return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
+                   logprobs=zeros, ref_logprobs=zeros, contains_stop=contains_stop)
+
+
+def test_left_pad_and_positions():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[True, True, True], [False, False, True]]
+    assert position_ids(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_stop_mask_keeps_through_first_stop():
+    responses = torch.tensor([[4, 1, 0, 0], [1, 0, 0, 0], [4, 5, 6, 7]])
+    mask, contains = stop_mask(responses, stop_token_id=1)
+    assert mask.long().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert contains.tolist() == [True, True, False]
+    mask, contains = stop_mask(responses, stop_token_id=None)
+    assert mask.all() and not contains.any()
+
+
+def test_sampled_responses_are_padded_after_stop(make_policy, prompts):
+    queries, query_mask = left_pad(prompts[:32], 0)
+    responses = sample_responses(make_policy(), queries, query_mask, response_length=10, temperature=1.0,
+                                 pad_token_id=0, stop_token_id=1)
+    assert responses.shape == (32, 10)
+    mask, contains = stop_mask(responses, 1)
+    assert (responses[~mask] == 0).all(), "everything after the stop token is padding"
+    assert contains.any(), "a random 16-token policy emits EOS within 10 tokens in some rows"
+
+
+def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scorer_model, tokenizer, prompts):
+    """Log-probs recomputed by a forward pass equal those of the distribution generate() sampled from."""
+    torch.manual_seed(3)
+    policy = make_policy()
+    cfg = RLConfig(algo="rloo", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                   local_rollout_forward_batch_size=8, response_length=6, temperature=0.7, num_epochs=1,
+                   stop_token=None)
+    trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
+                        stop_token_id=1)
+    queries, query_mask = left_pad(prompts[:8], 0)
+    out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), return_dict_in_generate=True,
+                          output_scores=True, generation_config=GenerationConfig(
+                              max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                              pad_token_id=0, eos_token_id=None))
+    responses = out.sequences[:, queries.shape[1]:]
+    expected = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, responses[..., None]).squeeze(-1)
+    parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
+    torch.testing.assert_close(trainer._logprobs(policy, parts), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_reward_model_scores_the_last_real_token(make_scorer_model):
+    scorer = RewardModelScorer(make_scorer_model(5))
+    queries, query_mask = left_pad([[3, 4, 5], [6, 7]], 0)
+    responses = torch.tensor([[8, 9, 1, 0, 0], [10, 1, 0, 0, 0]])
+    base = scorer(make_batch(queries, query_mask, responses))
+
+    changed_last = responses.clone()
+    changed_last[0, 1] = 11  # the token before EOS ...
+    changed_last[0, 2] = 1
+    assert not torch.allclose(scorer(make_batch(queries, query_mask, changed_last))[0], base[0])
+
+    garbage_after_stop = responses.clone()
+    garbage_after_stop[:, 3:] = 12  # ids past the stop token never reach the score
+    batch = make_batch(queries, query_mask, garbage_after_stop)
+    torch.testing.assert_close(scorer(batch), base)
+
+    more_left_padding = make_batch(torch.cat([torch.zeros(2, 3, dtype=torch.long), queries], 1),
+                                   torch.cat([torch.zeros(2, 3, dtype=torch.bool), query_mask], 1), responses)
+    torch.testing.assert_close(scorer(more_left_padding), base, rtol=1e-4, atol=1e-5)
+    alone = scorer(make_batch(queries[1:], query_mask[1:], responses[1:]))
+    torch.testing.assert_close(alone, base[1:], rtol=1e-4, atol=1e-5)
+
+
+def test_reward_model_must_have_one_label(tiny_config):
+    from transformers import GPTNeoXForSequenceClassification
+    with pytest.raises(ValueError, match="num_labels=1"):
+        RewardModelScorer(GPTNeoXForSequenceClassification(tiny_config))  # default num_labels=2
+
+
+def test_function_and_weighted_scorers(tokenizer):
+    queries, query_mask = left_pad([[3, 4], [5]], 0)
+    responses = torch.tensor([[7, 7, 1, 0], [7, 8, 9, 10]])
+    batch = make_batch(queries, query_mask, responses)
+    scorer = FunctionScorer(target_fraction, tokenizer)
+    torch.testing.assert_close(scorer(batch), torch.tensor([1.0, 0.25]))  # EOS is a special token, skipped
+    weighted = WeightedScorer([(2.0, scorer), (-1.0, FunctionScorer(lambda p, c: [len(x) for x in c], tokenizer))])
+    torch.testing.assert_close(weighted(batch), torch.tensor([2.0 - 5, 0.5 - 12]))  # lengths of "w7 w7", "w7 w8 w9 w10"
+    with pytest.raises(ValueError, match="returned 1 scores for 2"):
+        FunctionScorer(lambda p, c: [0.0], tokenizer)(batch)
+
+
+def test_missing_eos_penalty(tokenizer, prompts, make_policy):
+    cfg = RLConfig(algo="rloo", per_device_train_batch_size=2, gradient_accumulation_steps=1, num_epochs=1,
+                   local_rollout_forward_batch_size=2, missing_eos_penalty=1.5)
+    trainer = RLTrainer(cfg, make_policy(), FunctionScorer(target_fraction, tokenizer), prompts,
+                        pad_token_id=0, stop_token_id=1)
+    queries, query_mask = left_pad([[3, 4], [5]], 0)
+    batch = trainer.score(make_batch(queries, query_mask, torch.tensor([[7, 7, 1, 0], [7, 8, 9, 10]])))
+    torch.testing.assert_close(batch.scores, torch.tensor([1.0, 0.25 - 1.5]))
+
+
+def test_config_is_validated_once_with_named_errors():
+    with pytest.raises(pydantic.ValidationError, match="kl_estimator"):
+        RLConfig(kl_estimator="k2")
+    with pytest.raises(pydantic.ValidationError, match="extra_forbidden"):
+        RLConfig(learning_rat=1e-5)
+    cfg = RLConfig()
+    with pytest.raises(pydantic.ValidationError):
+        cfg.learning_rate = 1.0  # frozen
+    with pytest.raises(ValueError, match="rloo.rloo_k: 48 is not divisible by 5"):
+        BatchPlan.derive(RLConfig(algo="rloo", per_device_train_batch_size=12, rloo={"rloo_k": 5}))
+
+
+def test_batch_plan_derivation():
+    plan = BatchPlan.derive(RLConfig(algo="rloo", total_episodes=1000, per_device_train_batch_size=8,
+                                     gradient_accumulation_steps=2, num_mini_batches=2, num_epochs=1,
+                                     local_rollout_forward_batch_size=16, rloo={"rloo_k": 4}), num_processes=2)
+    assert (plan.batch_size, plan.local_batch_size, plan.local_mini_batch_size, plan.local_prompts) == (64, 32, 16, 8)
+    assert plan.num_updates == 16 and plan.num_optimizer_steps == 32
+
+
+def test_prompt_sampler_shards_reshuffles_and_resumes():
+    ranks = [PromptSampler(10, 2, seed=0, rank=r, num_processes=2) for r in range(2)]
+    first = [s.next_indices() for s in ranks]
+    assert not set(first[0]) & set(first[1]), "ranks draw disjoint prompts"
+    second = [s.next_indices() for s in ranks]
+    epoch = first[0] + first[1] + second[0] + second[1]
+    assert len(set(epoch)) == 8, "no prompt repeats within an epoch"
+    state = ranks[0].state_dict()
+    expected = [ranks[0].next_indices() for _ in range(3)]
+    restored = PromptSampler(10, 2, seed=0, rank=0, num_processes=2)
+    restored.load_state_dict(state)
+    assert [restored.next_indices() for _ in range(3)] == expected
+    with pytest.raises(ValueError, match="cannot fill one update"):
+        PromptSampler(3, 2, seed=0, num_processes=2)
+
+
+def test_metric_accumulator_means_and_totals():
+    metrics = MetricAccumulator()
+    metrics.add("loss", torch.tensor(1.0))
+    metrics.add("loss", torch.tensor(3.0))
+    metrics.add_mean("score", torch.tensor([1.0, 2.0, 6.0]))
+    metrics.add_total("eos", torch.tensor(5))
+    assert metrics.reduce() == {"loss": 2.0, "score": 3.0, "eos": 5.0}
