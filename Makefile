@@ -28,7 +28,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/rlhf demo
+	$(BIN)/rlhf bench --algo ppo --updates 3
+	$(BIN)/rlhf bench --algo rloo --updates 3
 
 test: setup
 	$(BIN)/python -m pytest -m "not gpu and not server" $(PYTEST_ARGS)
