@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
+from typing import Annotated
 
 import typer
 
@@ -22,9 +23,10 @@ class Algo(str, Enum):
 
 
 @app.command()
-def bench(algo: Algo = typer.Option(Algo.ppo, help="Policy-gradient algorithm to time."),
-          updates: int = typer.Option(5, min=1, help="Updates of 64 episodes to time."),
-          as_json: bool = typer.Option(False, "--json", help="Print one JSON line instead of a table.")) -> None:
+def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to time.")] = Algo.ppo,
+          updates: Annotated[int, typer.Option(min=1, help="Updates of 64 episodes to time.")] = 5,
+          as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line, not a table.")] = False,
+          ) -> None:
     """Throughput of the trainer on the fixed bench-tiny world (see rlhf_core/bench.py)."""
     from rlhf_core.bench import run_bench
 
