@@ -172,7 +172,7 @@ def _optimizer_step(acc: Accelerator, model: nn.Module, optimizer, scheduler, mi
                     units_fn: Callable[[Batch], Tensor], cfg: SupervisedConfig, metrics: MetricAccumulator) -> None:
     """One mini-batch: accumulate the gradient of the exact mean loss over all its units, then step."""
     micro_batches = [{k: v.to(acc.device) for k, v in batch.items()} for batch in micro_batches]
-    units = acc.reduce(sum(units_fn(b) for b in micro_batches).float(), reduction="sum")  # all processes' units
+    units = acc.reduce(sum(units_fn(b) for b in micro_batches).float().to(acc.device), reduction="sum")  # all processes' units
     for batch in micro_batches:
         with acc.accumulate(model):
             losses = losses_fn(model, batch)  # each (U,) or (B,)

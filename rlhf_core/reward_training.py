@@ -1,0 +1,138 @@
+"""Reward-model training on {"prompt", "chosen", "rejected"} rows: the pairwise (Bradley-Terry) loss.
+
+Each completion is scored as  prompt + completion + [EOS]  by a sequence classifier (num_labels=1) at its
+LAST REAL TOKEN (the EOS), exactly as `scoring.RewardModelScorer` scores rollouts during RL: the same
+`last_token_scores`, position ids from the attention mask. Chosen and rejected completions of a
+micro-batch go through one forward, right-padded together. The loss is Stiennon et al. (2020) / TRL's
+RewardTrainer:  -log sigmoid(r_chosen - r_rejected).
+
+As in summarize-from-feedback, the reward model starts from the SFT policy's weights
+(`reward_model_from_policy`): it already reads the posts, so only the head and the preference are new.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from pydantic import Field
+from torch import Tensor, nn
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
+
+from rlhf_core.scoring import last_token_scores
+from rlhf_core.sft import Batch, Progress, Row, SupervisedConfig, TrainResult, fit, right_pad
+
+PairGoldFn = Callable[[str, str], float]
+"""(prompt, completion) -> gold reward, like `rlhf_core.world.gold_reward`."""
+
+
+class RewardConfig(SupervisedConfig):
+    """Pairwise reward-model training; the optimization fields are SFT's, with the defaults below."""
+
+    epochs: int = Field(1, gt=0)
+    """Passes over the preference pairs (one, as in summarize-from-feedback: more overfits the label noise)."""
+    learning_rate: float = Field(3e-4, gt=0.0)
+    """Peak learning rate of AdamW; lower than SFT's since the backbone starts from the SFT policy."""
+    max_length: int = Field(320, gt=0)
+    """Tokens of prompt + completion + EOS kept, from the end, so the scored EOS always survives."""
+
+
+RewardResult = TrainResult
+
+
+def encode_pairs(tokenizer, rows: Sequence[Row], max_length: int) -> list[tuple[list[int], list[int]]]:
+    """Rows -> (chosen ids, rejected ids), each prompt + completion + EOS, cut from the left to max_length."""
+    assert tokenizer.eos_token_id is not None, "the tokenizer needs an EOS token: the reward model scores it"
+    eos = [tokenizer.eos_token_id]
+
+    def encode(key: str) -> list[list[int]]:
+        texts = [row["prompt"] + row[key] for row in rows]
+        return [(ids + eos)[-max_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+    return list(zip(encode("chosen"), encode("rejected"), strict=True))
+
+
+def pair_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
+    """Right-pad a micro-batch of B pairs into 2B rows: the chosen completions, then the rejected ones."""
+    sequences = [chosen for chosen, _ in examples] + [rejected for _, rejected in examples]
+    return {"input_ids": right_pad(sequences, pad_token_id),  # (2B, T)
+            "attention_mask": right_pad([[1] * len(s) for s in sequences], 0).bool()}  # (2B, T)
+
+
+def pair_scores(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
+    """Rewards of the chosen and the rejected completions, each (B,), scored at their last real token."""
+    mask = batch["attention_mask"]  # (2B, T), right-padded
+    scores = last_token_scores(model, batch["input_ids"], mask, mask.sum(1) - 1)  # (2B,)
+    chosen, rejected = scores.chunk(2)
+    return chosen, rejected
+
+
+def pairwise_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
+    """-log sigmoid(r_chosen - r_rejected), per pair: (B,)."""
+    return -F.logsigmoid(chosen - rejected)
+
+
+def pair_losses(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
+    """Per-pair loss, accuracy and margin of a micro-batch, each (B,)."""
+    chosen, rejected = pair_scores(model, batch)
+    return {"loss": pairwise_loss(chosen, rejected), "accuracy": (chosen > rejected).float(),
+            "margin": (chosen - rejected).detach()}
+
+
+def train_reward_model(cfg: RewardConfig, model: nn.Module, tokenizer, train_rows: Sequence[Row],
+                       eval_rows: Sequence[Row], *, gold: PairGoldFn | None = None,
+                       accelerator: Accelerator | None = None, progress: Progress | None = None) -> RewardResult:
+    """Train a sequence classifier (num_labels=1) on preference pairs; evaluate on `eval_rows` after each epoch."""
+    num_labels = getattr(model.config, "num_labels", None)
+    if num_labels != 1:
+        raise ValueError(f"reward model must have num_labels=1, got {num_labels}")
+    examples = encode_pairs(tokenizer, train_rows, cfg.max_length)
+    return fit(cfg, model, examples, collate=lambda ex: pair_collate(ex, tokenizer.pad_token_id),
+               losses_fn=pair_losses, units_fn=lambda batch: torch.tensor(batch["input_ids"].shape[0] // 2),
+               evaluate=lambda m: evaluate_reward_model(m, tokenizer, eval_rows, gold, cfg=cfg),
+               accelerator=accelerator, progress=progress)
+
+
+@torch.no_grad()
+def evaluate_reward_model(model: nn.Module, tokenizer, pair_rows: Sequence[Row], gold: PairGoldFn | None = None,
+                          *, cfg: RewardConfig | None = None) -> dict[str, float]:
+    """Pairwise accuracy against the dataset's labels, mean margin and loss; with `gold`, accuracy against it.
+
+    eval/gold_accuracy counts only pairs whose gold rewards differ; with label noise it can exceed
+    eval/accuracy, which is capped by the fraction of correct labels.
+    """
+    cfg = cfg or RewardConfig()
+    model.eval()
+    device = next(model.parameters()).device
+    examples = encode_pairs(tokenizer, pair_rows, cfg.max_length)
+    chosen, rejected = [], []
+    for start in range(0, len(examples), cfg.eval_batch_size):
+        batch = pair_collate(examples[start:start + cfg.eval_batch_size], tokenizer.pad_token_id)
+        c, r = pair_scores(model, {k: v.to(device) for k, v in batch.items()})
+        chosen.append(c.cpu())
+        rejected.append(r.cpu())
+    chosen, rejected = torch.cat(chosen), torch.cat(rejected)  # (N,), (N,)
+    metrics = {"eval/accuracy": (chosen > rejected).float().mean().item(),
+               "eval/margin": (chosen - rejected).mean().item(),
+               "eval/loss": pairwise_loss(chosen, rejected).mean().item()}
+    if gold is not None:
+        gold_margin = torch.tensor([gold(row["prompt"], row["chosen"]) - gold(row["prompt"], row["rejected"])
+                                    for row in pair_rows])  # (N,)
+        decided = gold_margin != 0
+        agree = (chosen > rejected) == (gold_margin > 0)  # (N,)
+        metrics["eval/gold_accuracy"] = agree[decided].float().mean().item()
+    return metrics
+
+
+def reward_model_from_policy(policy: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """A sequence classifier (num_labels=1) with the policy's backbone weights and a fresh, seeded head."""
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        scorer = AutoModelForSequenceClassification.from_config(config)
+    scorer.base_model.load_state_dict(policy.base_model.state_dict())
+    return scorer.to(device=policy.device, dtype=policy.dtype)

@@ -1,0 +1,29 @@
+"""The `rlhf` entry point, run in-process through typer's runner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tasks.cli import app
+
+BENCH_KEYS = {"algo", "updates", "episodes", "train_s", "episodes_per_s", "peak_rss_mib", "metrics"}
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_bench_json(algo):
+    result = CliRunner().invoke(app, ["bench", "--algo", algo, "--updates", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert BENCH_KEYS <= set(report) and report["algo"] == algo
+    assert report["episodes"] == 64 and report["episodes_per_s"] > 0 and report["peak_rss_mib"] > 0
+    assert "objective/scores" in report["metrics"] and "time/update_s" in report["metrics"]
+    if algo == "ppo":
+        assert "loss/value_avg" in report["metrics"]
+
+
+def test_bench_rejects_unknown_algo():
+    result = CliRunner().invoke(app, ["bench", "--algo", "dpo"])
+    assert result.exit_code != 0 and "dpo" in result.output

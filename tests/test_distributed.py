@@ -1,0 +1,30 @@
+"""1 process vs 2 processes (a real gloo world under torchrun) give the same update."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("distributed_update.py")
+
+
+def run(args: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SCRIPT.parent.parent)}
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_two_processes_match_one(algo, tmp_path):
+    run([sys.executable, str(SCRIPT), algo, "one.pt"], tmp_path)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run([*torchrun, str(SCRIPT), algo, "two.pt"], tmp_path)
+    one, two = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "two.pt"))
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
