@@ -1,0 +1,100 @@
+"""Real hub-loading code, exercised on local copies (no network): models, tokenizers, datasets."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.sources import SourceError, load_rows
+
+ROWS = [{"prompt": "SUBREDDIT: r/pets\n\nPOST: my cat\n\nTL;DR:", "completion": " cat"},
+        {"prompt": "SUBREDDIT: r/work\n\nPOST: my boss\n\nTL;DR:", "completion": " boss"}]
+
+
+@pytest.fixture
+def saved_models(tmp_path, make_policy, make_scorer_model, tokenizer):
+    policy_dir, reward_dir = tmp_path / "sft", tmp_path / "reward"
+    make_policy().save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    make_scorer_model().save_pretrained(reward_dir)
+    return policy_dir, reward_dir
+
+
+def test_models_load_from_local_copies(saved_models, make_policy, make_scorer_model):
+    policy_dir, reward_dir = saved_models
+    policy = load_policy(policy_dir)
+    for name, value in make_policy().state_dict().items():
+        torch.testing.assert_close(policy.state_dict()[name], value, msg=name)
+    reward = load_scorer_model(reward_dir)
+    assert reward.config.num_labels == 1 and reward.score.weight.shape == (1, 32)
+    tokenizer = load_tokenizer(policy_dir)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+
+
+def test_pickle_weights_are_refused(tmp_path, make_policy):
+    model = make_policy()
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # pickle weights only
+    with pytest.raises(OSError, match="could not load"):
+        load_policy(tmp_path)
+
+
+def test_unreachable_hub_id_fails_fast_and_clearly(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(OSError, match="cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"):
+        load_policy("cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr")
+    with pytest.raises(SourceError, match="trl-lib/tldr.*HF_HUB_OFFLINE"):
+        load_rows("trl-lib/tldr", split="train")
+    assert time.perf_counter() - start < 30, "offline hub access must fail fast, not hang"
+
+
+def test_rows_from_jsonl_json_parquet_and_saved_datasets(tmp_path):
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    (tmp_path / "rows.json").write_text(json.dumps(ROWS))
+    pq.write_table(pa.Table.from_pylist(ROWS), tmp_path / "rows.parquet")
+    Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    DatasetDict({"train": Dataset.from_list(ROWS), "validation": Dataset.from_list(ROWS[:1])}).save_to_disk(
+        str(tmp_path / "saved_dict"))
+    hub_layout = tmp_path / "hub_snapshot" / "data"  # how a hub dataset repo lays out its files
+    hub_layout.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(ROWS), hub_layout / "train-00000-of-00001.parquet")
+
+    for source in ("rows.jsonl", "rows.json", "rows.parquet", "saved", "saved_dict", "hub_snapshot"):
+        assert load_rows(tmp_path / source) == ROWS, source
+    assert load_rows(tmp_path / "saved_dict", split="validation") == ROWS[:1]
+    with pytest.raises(SourceError, match="no split 'test'"):
+        load_rows(tmp_path / "saved_dict", split="test")
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "empty"),
+    (b'{"prompt": "a"}\n{"prompt": \n', "line 2 is not valid JSON"),
+    (b'["not", "an object"]\n', "line 1 is list, expected a JSON object"),
+    (b"\xff\xfe\x00garbage", "not UTF-8"),
+])
+def test_unreadable_files_name_the_problem(tmp_path, content, message):
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(SourceError, match=message) as err:
+        load_rows(path)
+    assert "broken.jsonl" in str(err.value)
+
+
+def test_missing_and_unsupported_sources(tmp_path):
+    with pytest.raises(SourceError, match="no such file"):
+        load_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(SourceError, match="unsupported file type '.csv'"):
+        load_rows(tmp_path / "rows.csv")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(SourceError, match="not a readable Parquet"):
+        load_rows(tmp_path / "bad.parquet")
