@@ -45,7 +45,35 @@ def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to 
     Console().print(table)
 
 
+Overrides = Annotated[list[str] | None, typer.Option("--set", help="Override a parameter: section.key=value.")]
+Profile = Annotated[str | None, typer.Option(help="Profile overriding params.yaml (profiles/NAME.yaml).")]
+
+
+@app.command()
+def stage(name: Annotated[str, typer.Argument(help="prepare | sft | reward-model | train | evaluate")],
+          profile: Profile = None, overrides: Overrides = None) -> None:
+    """Run one pipeline stage in this workspace (what dvc.yaml calls)."""
+    from tasks.stages import run_stage
+
+    metrics = run_stage(name, ".", profile, overrides or [])
+    typer.echo(json.dumps(metrics, indent=2, sort_keys=True))
+
+
+@app.command()
+def run(profile: Profile = None, overrides: Overrides = None) -> None:
+    """Run the whole pipeline, stage after stage."""
+    from tasks.stages import STAGES, run_stage
+
+    for name in STAGES:
+        typer.echo(f"== {name}")
+        metrics = run_stage(name, ".", profile, overrides or [])
+        typer.echo(json.dumps(metrics, sort_keys=True))
+
+
 def main() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the pipeline's own output
     app()
 
 

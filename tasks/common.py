@@ -1,0 +1,31 @@
+"""What several stages share: which gold reward the world has, the tiny model factory, saving models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf_core.models import init_causal_lm, tiny_gpt_neox_config
+from rlhf_core.world import gold_reward
+from tasks.io import atomic_path
+from tasks.params import Params
+
+
+def gold_fn(params: Params):
+    """The world's gold reward (prompt, completion, ended_with_eos) -> float, or None for real data."""
+    return gold_reward if params.prepare.source == "world" else None
+
+
+def tiny_policy(params: Params, tokenizer):
+    tiny = params.sft.tiny
+    config = tiny_gpt_neox_config(vocab_size=len(tokenizer), hidden_size=tiny.hidden_size,
+                                  num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                                  intermediate_size=tiny.intermediate_size, max_positions=tiny.max_positions,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return init_causal_lm(config, seed=params.base.seed)
+
+
+def save_model(model, tokenizer, target: Path) -> None:
+    """Model (safetensors) + tokenizer, written atomically."""
+    with atomic_path(target, directory=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)

@@ -1,0 +1,30 @@
+"""Stage `evaluate`: greedy completions of the trained and the reference (SFT) policy, scored by the reward
+model and, in the demo world, by the gold reward; metrics, a per-example table and plots."""
+
+from __future__ import annotations
+
+from rlhf_core.evaluation import evaluate
+from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.scoring import RewardModelScorer
+from tasks.common import gold_fn
+from tasks.io import read_jsonl, write_json, write_jsonl
+from tasks.params import Params
+from tasks.paths import Paths
+from tasks.plots import plot_evaluation
+from tasks.train import HISTORY
+
+
+def run(params: Params, paths: Paths) -> dict:
+    cfg = params.evaluate
+    tokenizer = load_tokenizer(paths.policy)
+    prompts = [row["prompt"] for row in read_jsonl(paths.split("prompts_eval"))[:cfg.num_prompts]]
+    report = evaluate(load_policy(paths.policy), load_policy(paths.sft_model), tokenizer, prompts,
+                      scorer=RewardModelScorer(load_scorer_model(paths.reward_model), batch_size=cfg.batch_size),
+                      response_length=cfg.response_length, temperature=params.train.temperature,
+                      gold=gold_fn(params), batch_size=cfg.batch_size)
+    out = paths.reports / "eval"
+    write_jsonl(out / "completions.jsonl", report.rows)
+    history_file = paths.reports / HISTORY
+    plot_evaluation(report.rows, read_jsonl(history_file) if history_file.is_file() else [], out)
+    write_json(paths.metrics_file("eval"), report.summary)
+    return report.summary

@@ -1,0 +1,190 @@
+"""The pipeline's typed parameters: `params.yaml` + a profile + `--set` overrides, validated once.
+
+Each stage reads only its own section (plus `base`). A section extends the library's config class of
+that stage, so `train.kl_coef` is `RLConfig.kl_coef`, documented and validated where it is defined.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rlhf_core.config import RLConfig
+from rlhf_core.reward_training import RewardConfig
+from rlhf_core.sft import SFTConfig
+
+PARAMS_FILE = "params.yaml"
+PROFILES_DIR = "profiles"
+
+
+class ParamsError(ValueError):
+    """Invalid parameters; the message names the file, the key and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class BaseParams(_Section):
+    profile: str = "demo"
+    """Profile whose `profiles/<name>.yaml` overrides sections of params.yaml ('demo': none)."""
+    seed: int = 0
+    """Seeds every stage; each stage derives its own seed from it."""
+
+
+class WorldParams(_Section):
+    """Sizes and noise of the built-in synthetic TL;DR world (see rlhf_core/world)."""
+
+    sft_train: int = Field(4096, ge=1)
+    sft_eval: int = Field(256, ge=1)
+    prefs_train: int = Field(4096, ge=1)
+    prefs_eval: int = Field(512, ge=1)
+    prompts_train: int = Field(1024, ge=1)
+    prompts_eval: int = Field(256, ge=1)
+    sft_flawed_fraction: float = Field(0.35, ge=0.0, le=1.0)
+    label_noise: float = Field(0.1, ge=0.0, le=0.5)
+
+
+class PrepareParams(_Section):
+    source: str = "world"
+    """'world' for the built-in synthetic TL;DR world, else a dataset profile's sources below."""
+    world: WorldParams = WorldParams()
+    """Used when source is 'world'."""
+    sft: str | None = None
+    """Real data: SFT rows {prompt, completion} (local .jsonl/.parquet, saved dir, or hub id)."""
+    preferences: str | None = None
+    """Real data: preference rows {prompt, chosen, rejected}."""
+    prompts: str | None = None
+    """Real data: RL prompts {prompt} (defaults to the SFT rows' prompts)."""
+    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    """Real data: share of prompts held out for evaluation when a source has no eval split."""
+    tokenizer: str | None = None
+    """A tokenizer to use (dir or hub id); None trains one on the world's text."""
+    tokenizer_vocab_size: int = Field(2048, ge=64)
+    """Vocabulary of the locally trained tokenizer."""
+    max_prompt_tokens: int = Field(256, gt=0)
+    """Rows whose prompt is longer are dropped (and counted)."""
+    max_completion_tokens: int = Field(64, gt=0)
+    """Rows whose completion (or chosen/rejected) is longer are dropped (and counted)."""
+
+
+class TinyModelParams(_Section):
+    """Architecture of the GPT-NeoX the demo trains from scratch."""
+
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(512, gt=0)
+    max_positions: int = Field(512, gt=0)
+
+
+class SFTParams(SFTConfig):
+    base_model: str | None = None
+    """Start from this causal LM (dir or hub id); None: a tiny GPT-NeoX from scratch."""
+    pretrained: str | None = None
+    """An already fine-tuned policy (e.g. the cleanrl TL;DR SFT model): the stage only evaluates it."""
+    tiny: TinyModelParams = TinyModelParams()
+    """Used when base_model and pretrained are None."""
+    eval_max_new_tokens: int = Field(48, gt=0)
+    """Greedy completion length when measuring the EOS rate."""
+
+
+class RewardModelParams(RewardConfig):
+    pretrained: str | None = None
+    """An already trained reward model (dir or hub id): the stage only evaluates it."""
+    init_from_sft: bool = True
+    """Initialize the reward model's backbone from the SFT policy (as summarize-from-feedback does)."""
+
+
+class TrainParams(RLConfig):
+    value_model_init: str = "reward"
+    """Initialize PPO's value model from 'reward' (TRL's choice) or 'sft' (backbone + a fresh head)."""
+
+
+class EvaluateParams(_Section):
+    num_prompts: int = Field(256, gt=0)
+    """Held-out prompts to complete (the first N of the eval split)."""
+    response_length: int = Field(48, gt=0)
+    """Maximum greedy completion length."""
+    batch_size: int = Field(64, gt=0)
+    """Prompts per generation / scoring forward."""
+
+
+class Params(_Section):
+    base: BaseParams = BaseParams()
+    prepare: PrepareParams = PrepareParams()
+    sft: SFTParams = SFTParams()
+    reward_model: RewardModelParams = RewardModelParams()
+    train: TrainParams = TrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+    def rl_config(self) -> RLConfig:
+        """The trainer's config: the train section without the pipeline-only fields."""
+        return RLConfig(**self.train.model_dump(include=set(RLConfig.model_fields)))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
+
+
+def parse_override(item: str) -> dict:
+    """'section.key=value' -> {'section': {'key': value}}, the value parsed as YAML (1e-5, true, null)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ParamsError(f"override {item!r}: expected section.key=value")
+    value: Any = yaml.safe_load(raw) if raw.strip() else ""
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML ({err})") from err
+    if not isinstance(data, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_params(root: str | Path = ".", profile: str | None = None, overrides: list[str] = ()) -> Params:
+    """params.yaml, then profiles/<profile>.yaml, then overrides; validated once, frozen."""
+    root = Path(root)
+    path = root / PARAMS_FILE
+    raw = _read_yaml(path) if path.is_file() else {}
+    override = {}
+    for item in overrides:
+        override = deep_merge(override, parse_override(item))
+    profile = profile or override.get("base", {}).get("profile") or raw.get("base", {}).get("profile", "demo")
+    if profile != "demo":
+        profile_path = root / PROFILES_DIR / f"{profile}.yaml"
+        if not profile_path.is_file():
+            known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
+            raise ParamsError(f"unknown profile {profile!r}: {profile_path} does not exist; known: {['demo', *known]}")
+        raw = deep_merge(raw, _read_yaml(profile_path))
+    raw = deep_merge(raw, override)
+    raw.setdefault("base", {})["profile"] = profile
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as err:
+        raise ParamsError(_explain(err, path)) from err
+
+
+def _explain(err: ValidationError, path: Path) -> str:
+    lines = [f"{path}: invalid parameters"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""Stage `prepare`: the canonical datasets and the tokenizer.
+
+Reads the built-in world or real sources (local JSONL / Parquet, saved datasets, hub ids), normalizes
+rows to the canonical schema, drops exact duplicates and over-long rows (counting both), and writes
+`data/<split>.jsonl` plus `models/tokenizer/`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from rlhf_core.models import load_tokenizer
+from rlhf_core.sources import load_rows
+from rlhf_core.world import WorldConfig, build_world, train_tokenizer
+from tasks.io import atomic_path, write_json, write_jsonl
+from tasks.params import Params, PrepareParams
+from tasks.paths import SPLITS, Paths
+
+SCHEMA = {"sft": ("prompt", "completion"), "prefs": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
+# Column names used by public TL;DR-style datasets, mapped to ours.
+ALIASES = {"query": "prompt", "post": "prompt", "summary": "completion", "response": "completion",
+           "reference_response": "reference", "reference": "reference"}
+
+
+def normalize(rows: Sequence[dict], kind: str) -> list[dict]:
+    """Rename known aliases and keep the canonical columns (plus `reference` for prompts)."""
+    keep = SCHEMA[kind] + (("reference",) if kind == "prompts" else ())
+    out = []
+    for row in rows:
+        renamed = {ALIASES.get(k, k): v for k, v in row.items()}
+        out.append({k: renamed[k] for k in keep if k in renamed})
+    return out
+
+
+def dedupe(rows: Sequence[dict]) -> list[dict]:
+    seen, out = set(), []
+    for row in rows:
+        key = tuple(sorted(row.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
+def length_filter(rows: Sequence[dict], tokenizer, cfg: PrepareParams) -> list[dict]:
+    """Drop rows whose prompt or completion texts exceed the token budgets."""
+    limits = {"prompt": cfg.max_prompt_tokens}
+    limits.update({k: cfg.max_completion_tokens for k in ("completion", "chosen", "rejected", "reference")})
+    def fits(row: dict) -> bool:
+        return all(len(tokenizer(v, add_special_tokens=False)["input_ids"]) <= limits[k]
+                   for k, v in row.items() if k in limits and isinstance(v, str))
+    return [row for row in rows if fits(row)]
+
+
+def world_splits(params: Params) -> dict[str, list[dict]]:
+    world = build_world(params.base.seed, WorldConfig(**params.prepare.world.model_dump()))
+    return {name: world[name] for name in SPLITS}
+
+
+def source_splits(cfg: PrepareParams, seed: int) -> dict[str, list[dict]]:
+    """Real data: SFT and preference sources, prompts from SFT rows; eval held out by prompt."""
+    if not (cfg.sft and cfg.preferences):
+        raise ValueError("prepare.sft and prepare.preferences are required when prepare.source is not 'world'")
+    sft = normalize(load_rows(cfg.sft), "sft")
+    prefs = normalize(load_rows(cfg.preferences), "prefs")
+    prompts = normalize(load_rows(cfg.prompts), "prompts") if cfg.prompts else \
+        [{"prompt": r["prompt"], "reference": r["completion"]} for r in sft]
+    rng = random.Random(seed)
+    held_out = {p for p in {r["prompt"] for r in prompts} if rng.random() < cfg.eval_fraction}
+    split = lambda rows: ([r for r in rows if r["prompt"] not in held_out],  # noqa: E731
+                          [r for r in rows if r["prompt"] in held_out])
+    (sft_train, sft_eval), (prefs_train, prefs_eval), (prompts_train, prompts_eval) = map(split, (sft, prefs, prompts))
+    return {"sft_train": sft_train, "sft_eval": sft_eval, "prefs_train": prefs_train, "prefs_eval": prefs_eval,
+            "prompts_train": [{"prompt": r["prompt"]} for r in prompts_train], "prompts_eval": prompts_eval}
+
+
+def run(params: Params, paths: Paths) -> dict:
+    cfg = params.prepare
+    splits = world_splits(params) if cfg.source == "world" else source_splits(cfg, params.base.seed)
+    if cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    else:
+        texts = [v for name in ("sft_train", "prefs_train") for row in splits[name] for v in row.values()]
+        tokenizer = train_tokenizer(texts, vocab_size=cfg.tokenizer_vocab_size)
+    report = {}
+    for name in SPLITS:
+        rows = splits[name]
+        unique = dedupe(rows)
+        kept = length_filter(unique, tokenizer, cfg)
+        report[name] = {"rows_in": len(rows), "duplicates": len(rows) - len(unique),
+                        "too_long": len(unique) - len(kept), "rows": len(kept)}
+        if not kept:
+            raise ValueError(f"prepare: split {name} is empty after filtering ({report[name]})")
+        write_jsonl(paths.split(name), kept)
+    with atomic_path(paths.tokenizer, directory=True) as tmp:
+        tokenizer.save_pretrained(tmp)
+    write_json(paths.metrics_file("prepare"), report)
+    return report

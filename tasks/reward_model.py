@@ -1,0 +1,37 @@
+"""Stage `reward-model`: the pairwise reward model (trained here, or a pretrained one evaluated as is)."""
+
+from __future__ import annotations
+
+from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.reward_training import (
+    RewardConfig,
+    evaluate_reward_model,
+    reward_model_from_policy,
+    train_reward_model,
+)
+from rlhf_core.world import gold_reward
+from tasks.common import save_model
+from tasks.io import read_jsonl, write_json
+from tasks.params import Params
+from tasks.paths import Paths
+
+
+def run(params: Params, paths: Paths) -> dict:
+    cfg = params.reward_model
+    rm_cfg = RewardConfig(**cfg.model_dump(include=set(RewardConfig.model_fields)))
+    tokenizer = load_tokenizer(paths.tokenizer)
+    eval_rows = read_jsonl(paths.split("prefs_eval"))
+    gold = (lambda prompt, completion: gold_reward(prompt, completion)) if params.prepare.source == "world" else None
+    if cfg.pretrained:
+        model, metrics = load_scorer_model(cfg.pretrained), {}
+    else:
+        if cfg.init_from_sft:
+            model = reward_model_from_policy(load_policy(paths.sft_model), seed=params.base.seed)
+        else:
+            raise ValueError("reward_model: set pretrained, or init_from_sft: true")
+        result = train_reward_model(rm_cfg, model, tokenizer, read_jsonl(paths.split("prefs_train")), eval_rows)
+        model, metrics = result.model, {"train_seconds": result.train_seconds}
+    metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
+    save_model(model, tokenizer, paths.reward_model)
+    write_json(paths.metrics_file("reward"), metrics)
+    return metrics

@@ -1,0 +1,29 @@
+"""Stage `sft`: the supervised policy (trained here, or a pretrained one evaluated as is)."""
+
+from __future__ import annotations
+
+from rlhf_core.models import load_policy, load_tokenizer
+from rlhf_core.sft import SFTConfig, evaluate_sft, train_sft
+from tasks.common import gold_fn, save_model, tiny_policy
+from tasks.io import read_jsonl, write_json
+from tasks.params import Params
+from tasks.paths import Paths
+
+
+def run(params: Params, paths: Paths) -> dict:
+    cfg = params.sft
+    tokenizer = load_tokenizer(paths.tokenizer)
+    eval_rows = read_jsonl(paths.split("sft_eval"))
+    prompt_rows = read_jsonl(paths.split("prompts_eval"))
+    if cfg.pretrained:
+        model, metrics = load_policy(cfg.pretrained), {}
+    else:
+        model = load_policy(cfg.base_model) if cfg.base_model else tiny_policy(params, tokenizer)
+        result = train_sft(SFTConfig(**cfg.model_dump(include=set(SFTConfig.model_fields))), model, tokenizer,
+                           read_jsonl(paths.split("sft_train")), eval_rows)
+        model, metrics = result.model, {"train_seconds": result.train_seconds}
+    metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
+                                eval_rows=eval_rows, gold=gold_fn(params), cfg=cfg))
+    save_model(model, tokenizer, paths.sft_model)
+    write_json(paths.metrics_file("sft"), metrics)
+    return metrics

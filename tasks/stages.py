@@ -1,0 +1,29 @@
+"""The pipeline's stages by name, in order; `rlhf stage NAME` and dvc.yaml call them through here."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tasks.params import load_params
+from tasks.paths import Paths
+
+STAGES = {  # name -> module with `run(params, paths) -> dict`
+    "prepare": "tasks.prepare",
+    "sft": "tasks.sft",
+    "reward-model": "tasks.reward_model",
+    "train": "tasks.train",
+    "evaluate": "tasks.evaluate",
+}
+
+
+def run_stage(name: str, root: str | Path = ".", profile: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    if name not in STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    params = load_params(root, profile, list(overrides))
+    module = importlib.import_module(STAGES[name])
+    start = time.perf_counter()
+    metrics = module.run(params, Paths.at(root))
+    return {**metrics, "stage_seconds": time.perf_counter() - start}
