@@ -123,8 +123,15 @@ class Params(_Section):
     evaluate: EvaluateParams = EvaluateParams()
 
     def rl_config(self) -> RLConfig:
-        """The trainer's config: the train section without the pipeline-only fields."""
-        return RLConfig(**self.train.model_dump(include=set(RLConfig.model_fields)))
+        """The trainer's config: the train section without the pipeline-only fields, seeded by base.seed."""
+        return RLConfig(**{**self.train.model_dump(include=set(RLConfig.model_fields)), "seed": self.base.seed})
+
+    def sft_config(self) -> SFTConfig:
+        return SFTConfig(**{**self.sft.model_dump(include=set(SFTConfig.model_fields)), "seed": self.base.seed})
+
+    def reward_config(self) -> RewardConfig:
+        return RewardConfig(**{**self.reward_model.model_dump(include=set(RewardConfig.model_fields)),
+                               "seed": self.base.seed})
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -173,10 +180,24 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
         raw = deep_merge(raw, _read_yaml(profile_path))
     raw = deep_merge(raw, override)
     raw.setdefault("base", {})["profile"] = profile
+    for section in ("sft", "reward_model", "train"):
+        if isinstance(raw.get(section), dict) and "seed" in raw[section]:
+            raise ParamsError(f"{path}: {section}.seed is not a parameter; every stage is seeded by base.seed")
     try:
         return Params.model_validate(raw)
     except ValidationError as err:
         raise ParamsError(_explain(err, path)) from err
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the section containing `loc` accepts."""
+    model: type[BaseModel] = Params
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return sorted(model.model_fields)
 
 
 def _explain(err: ValidationError, path: Path) -> str:
@@ -184,7 +205,7 @@ def _explain(err: ValidationError, path: Path) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
+            lines.append(f"  {key}: unknown key; allowed: {', '.join(_allowed_keys(e['loc']))}")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

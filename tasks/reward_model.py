@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.reward_training import (
-    RewardConfig,
     evaluate_reward_model,
     reward_model_from_policy,
     train_reward_model,
@@ -18,7 +17,7 @@ from tasks.paths import Paths
 
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.reward_model
-    rm_cfg = RewardConfig(**cfg.model_dump(include=set(RewardConfig.model_fields)))
+    rm_cfg = params.reward_config()
     tokenizer = load_tokenizer(paths.tokenizer)
     eval_rows = read_jsonl(paths.split("prefs_eval"))
     gold = (lambda prompt, completion: gold_reward(prompt, completion)) if params.prepare.source == "world" else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlhf_core.models import load_policy, load_tokenizer
-from rlhf_core.sft import SFTConfig, evaluate_sft, train_sft
+from rlhf_core.sft import evaluate_sft, train_sft
 from tasks.common import gold_fn, save_model, tiny_policy
 from tasks.io import read_jsonl, write_json
 from tasks.params import Params
@@ -19,7 +19,7 @@ def run(params: Params, paths: Paths) -> dict:
         model, metrics = load_policy(cfg.pretrained), {}
     else:
         model = load_policy(cfg.base_model) if cfg.base_model else tiny_policy(params, tokenizer)
-        result = train_sft(SFTConfig(**cfg.model_dump(include=set(SFTConfig.model_fields))), model, tokenizer,
+        result = train_sft(params.sft_config(), model, tokenizer,
                            read_jsonl(paths.split("sft_train")), eval_rows)
         model, metrics = result.model, {"train_seconds": result.train_seconds}
     metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
