@@ -6,8 +6,8 @@ LAST REAL TOKEN (the EOS), exactly as `scoring.RewardModelScorer` scores rollout
 micro-batch go through one forward, right-padded together. The loss is Stiennon et al. (2020) / TRL's
 RewardTrainer:  -log sigmoid(r_chosen - r_rejected).
 
-As in summarize-from-feedback, the reward model starts from the SFT policy's weights
-(`reward_model_from_policy`): it already reads the posts, so only the head and the preference are new.
+`reward_model_from_policy` starts a reward (or value) model from the SFT policy's backbone, as
+summarize-from-feedback does.
 """
 
 from __future__ import annotations
@@ -30,12 +30,8 @@ PairGoldFn = Callable[[str, str], float]
 
 
 class RewardConfig(SupervisedConfig):
-    """Pairwise reward-model training; the optimization fields are SFT's, with the defaults below."""
+    """Pairwise reward-model training; the optimization fields and their defaults are SupervisedConfig's."""
 
-    epochs: int = Field(1, gt=0)
-    """Passes over the preference pairs (one, as in summarize-from-feedback: more overfits the label noise)."""
-    learning_rate: float = Field(3e-4, gt=0.0)
-    """Peak learning rate of AdamW; lower than SFT's since the backbone starts from the SFT policy."""
     max_length: int = Field(320, gt=0)
     """Tokens of prompt + completion + EOS kept, from the end, so the scored EOS always survives."""
 
@@ -70,6 +66,11 @@ def pair_scores(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
     return chosen, rejected
 
 
+def pairs_in(batch: Batch) -> Tensor:
+    """Number of pairs in a collated micro-batch: the units the pairwise loss averages over."""
+    return torch.tensor(batch["input_ids"].shape[0] // 2)
+
+
 def pairwise_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
     """-log sigmoid(r_chosen - r_rejected), per pair: (B,)."""
     return -F.logsigmoid(chosen - rejected)
@@ -84,21 +85,24 @@ def pair_losses(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
 
 def train_reward_model(cfg: RewardConfig, model: nn.Module, tokenizer, train_rows: Sequence[Row],
                        eval_rows: Sequence[Row], *, gold: PairGoldFn | None = None,
-                       accelerator: Accelerator | None = None, progress: Progress | None = None) -> RewardResult:
-    """Train a sequence classifier (num_labels=1) on preference pairs; evaluate on `eval_rows` after each epoch."""
+                       accelerator: Accelerator | None = None,
+                       progress: Progress | None = None) -> RewardResult:
+    """Train a sequence classifier (num_labels=1) on preference pairs; evaluate on `eval_rows` each epoch."""
     num_labels = getattr(model.config, "num_labels", None)
     if num_labels != 1:
         raise ValueError(f"reward model must have num_labels=1, got {num_labels}")
     examples = encode_pairs(tokenizer, train_rows, cfg.max_length)
-    return fit(cfg, model, examples, collate=lambda ex: pair_collate(ex, tokenizer.pad_token_id),
-               losses_fn=pair_losses, units_fn=lambda batch: torch.tensor(batch["input_ids"].shape[0] // 2),
+    return fit(cfg, model, examples, [max(len(c), len(r)) for c, r in examples],
+               collate=lambda ex: pair_collate(ex, tokenizer.pad_token_id),
+               losses_fn=pair_losses, units_fn=pairs_in,
                evaluate=lambda m: evaluate_reward_model(m, tokenizer, eval_rows, gold, cfg=cfg),
                accelerator=accelerator, progress=progress)
 
 
 @torch.no_grad()
-def evaluate_reward_model(model: nn.Module, tokenizer, pair_rows: Sequence[Row], gold: PairGoldFn | None = None,
-                          *, cfg: RewardConfig | None = None) -> dict[str, float]:
+def evaluate_reward_model(model: nn.Module, tokenizer, pair_rows: Sequence[Row],
+                          gold: PairGoldFn | None = None, *,
+                          cfg: RewardConfig | None = None) -> dict[str, float]:
     """Pairwise accuracy against the dataset's labels, mean margin and loss; with `gold`, accuracy against it.
 
     eval/gold_accuracy counts only pairs whose gold rewards differ; with label noise it can exceed

@@ -32,6 +32,8 @@ from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rollout import left_pad, position_ids, stop_mask
 
 IGNORE_INDEX = -100  # torch's cross-entropy skips this label
+# Mini-batches whose rows are sorted by length together: enough to group lengths, few enough to stay random.
+LENGTH_WINDOW = 64
 Row = Mapping[str, str]
 Batch = dict[str, Tensor]
 Progress = Callable[[int, Mapping[str, float]], None]
@@ -48,13 +50,13 @@ class SupervisedConfig(BaseModel):
     seed: int = 0
     """Seeds the data order (and dropout, if any); with it a run is reproducible."""
     epochs: int = Field(2, gt=0)
-    """Passes over the training rows."""
+    """Passes over the rows (demo world: the second still helps; the reward model overfits in a third)."""
     per_device_train_batch_size: int = Field(16, gt=0)
     """Micro-batch: rows per process per forward/backward."""
-    gradient_accumulation_steps: int = Field(2, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
     """Micro-batches accumulated into one mini-batch (one optimizer step)."""
     learning_rate: float = Field(1e-3, gt=0.0)
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (for the tiny demo models trained from scratch; ~1e-5 for a 1B model)."""
     lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = "cosine"
     """Decay after warm-up over all optimizer steps of the run."""
     warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
@@ -63,6 +65,8 @@ class SupervisedConfig(BaseModel):
     """AdamW weight decay."""
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     """Clip the global gradient norm of each optimizer step; None disables."""
+    group_by_length: bool = True
+    """Batch rows of similar length together (demo world: padding wastes ~25% of the compute otherwise)."""
     logging_steps: int = Field(10, gt=0)
     """Report the training metrics every this many optimizer steps."""
     eval_batch_size: int = Field(64, gt=0)
@@ -71,6 +75,9 @@ class SupervisedConfig(BaseModel):
 
 class SFTConfig(SupervisedConfig):
     """Supervised fine-tuning of a causal LM on prompt/completion rows."""
+
+    learning_rate: float = Field(3e-3, gt=0.0)
+    """Peak learning rate of AdamW; this high, the demo policy learns to copy facts in two epochs."""
 
     max_prompt_length: int = Field(256, gt=0)
     """Prompt tokens kept (from the end, where the TL;DR: cue is)."""
@@ -96,7 +103,7 @@ SFTResult = TrainResult
 
 def encode_sft(tokenizer, rows: Sequence[Row], cfg: SFTConfig) -> list[tuple[list[int], list[int]]]:
     """Rows -> (input_ids, labels): prompt + completion + EOS, the prompt labelled IGNORE_INDEX."""
-    assert tokenizer.eos_token_id is not None, "the tokenizer needs an EOS token: SFT teaches the policy to stop"
+    assert tokenizer.eos_token_id is not None, "the tokenizer needs an EOS token: SFT teaches when to stop"
     prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
     completions = tokenizer([r["completion"] for r in rows], add_special_tokens=False)["input_ids"]
     out = []
@@ -142,22 +149,33 @@ def token_losses(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
 # ---------------------------------------------------------------------------------------- the supervised loop
 
 
-def epoch_micro_batches(num_rows: int, cfg: SupervisedConfig, epoch: int, rank: int,
+def epoch_micro_batches(lengths: Sequence[int], cfg: SupervisedConfig, epoch: int, rank: int,
                         num_processes: int) -> list[list[int]]:
     """This process's row indices of one epoch, one list per micro-batch, mini-batch after mini-batch.
 
     A seeded permutation all processes agree on is cut into global mini-batches (a trailing partial
     one is dropped, so every optimizer step sees the same number of rows); process `rank` takes every
     `num_processes`-th row of each, so the union over processes is the same whatever their number.
+    With `group_by_length`, rows are sorted by length within windows of LENGTH_WINDOW mini-batches
+    before the cut and the mini-batches shuffled after it (transformers' LengthGroupedSampler).
     """
     micro = cfg.per_device_train_batch_size
     global_mini = micro * cfg.gradient_accumulation_steps * num_processes
-    if num_rows < global_mini:
-        raise ValueError(f"{num_rows} training rows cannot fill one mini-batch of per_device_train_batch_size * "
-                         f"gradient_accumulation_steps * processes = {global_mini} rows")
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)).tolist()
-    local = [order[start:start + global_mini][rank::num_processes]
-             for start in range(0, num_rows - global_mini + 1, global_mini)]
+    if len(lengths) < global_mini:
+        raise ValueError(f"{len(lengths)} training rows cannot fill one mini-batch of "
+                         f"per_device_train_batch_size * gradient_accumulation_steps * processes "
+                         f"= {global_mini} rows")
+    generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    order = order[:len(order) - len(order) % global_mini]
+    if cfg.group_by_length:
+        window = global_mini * LENGTH_WINDOW
+        order = [i for start in range(0, len(order), window)
+                 for i in sorted(order[start:start + window], key=lengths.__getitem__)]
+    minis = [order[start:start + global_mini] for start in range(0, len(order), global_mini)]
+    if cfg.group_by_length:
+        minis = [minis[i] for i in torch.randperm(len(minis), generator=generator).tolist()]
+    local = [mini[rank::num_processes] for mini in minis]
     return [rows[i:i + micro] for rows in local for i in range(0, len(rows), micro)]
 
 
@@ -169,15 +187,17 @@ def _grouped(batches: Iterator[Batch], size: int) -> Iterator[list[Batch]]:
 
 def _optimizer_step(acc: Accelerator, model: nn.Module, optimizer, scheduler, micro_batches: list[Batch],
                     losses_fn: Callable[[nn.Module, Batch], dict[str, Tensor]],
-                    units_fn: Callable[[Batch], Tensor], cfg: SupervisedConfig, metrics: MetricAccumulator) -> None:
+                    units_fn: Callable[[Batch], Tensor], cfg: SupervisedConfig,
+                    metrics: MetricAccumulator) -> None:
     """One mini-batch: accumulate the gradient of the exact mean loss over all its units, then step."""
     micro_batches = [{k: v.to(acc.device) for k, v in batch.items()} for batch in micro_batches]
-    units = acc.reduce(sum(units_fn(b) for b in micro_batches).float().to(acc.device), reduction="sum")  # all processes' units
+    local_units = sum(units_fn(b) for b in micro_batches).float().to(acc.device)
+    units = acc.reduce(local_units, reduction="sum")  # all processes' units of this mini-batch
+    # accelerate divides each loss by the accumulation steps and DDP averages over processes: undo both
+    scale = cfg.gradient_accumulation_steps * acc.num_processes / units.clamp(min=1)
     for batch in micro_batches:
         with acc.accumulate(model):
             losses = losses_fn(model, batch)  # each (U,) or (B,)
-            # accelerate divides by the accumulation steps and DDP averages over processes: undo both
-            scale = cfg.gradient_accumulation_steps * acc.num_processes / units.clamp(min=1)
             acc.backward(losses["loss"].sum() * scale)
             if acc.sync_gradients:
                 if cfg.max_grad_norm is not None:
@@ -189,11 +209,12 @@ def _optimizer_step(acc: Accelerator, model: nn.Module, optimizer, scheduler, mi
             metrics.add_mean(f"train/{name}", values.detach())
 
 
-def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, *, collate: Callable[[list], Batch],
-        losses_fn: Callable[[nn.Module, Batch], dict[str, Tensor]], units_fn: Callable[[Batch], Tensor],
+def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Sequence[int], *,
+        collate: Callable[[list], Batch], losses_fn: Callable[[nn.Module, Batch], dict[str, Tensor]],
+        units_fn: Callable[[Batch], Tensor],
         evaluate: Callable[[nn.Module], dict[str, float]], accelerator: Accelerator | None = None,
         progress: Progress | None = None) -> TrainResult:
-    """Train `model` on `examples` for `cfg.epochs` epochs; `evaluate` runs after each epoch.
+    """Train `model` on `examples` (of token `lengths`) for cfg.epochs; `evaluate` runs after each epoch.
 
     losses_fn(model, micro_batch) returns per-unit tensors, "loss" among them (the others are logged);
     units_fn(micro_batch) counts the loss units before the forward, so the mean is exact.
@@ -206,14 +227,14 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, *, collate:
         raise ValueError("make the Accelerator with step_scheduler_with_optimizer=False: the schedule counts "
                          "optimizer steps, which this loop already takes only on synced micro-batches")
     set_seed(cfg.seed)
-    batch_plan = [epoch_micro_batches(len(examples), cfg, epoch, acc.process_index, acc.num_processes)
+    batch_plan = [epoch_micro_batches(lengths, cfg, epoch, acc.process_index, acc.num_processes)
                   for epoch in range(cfg.epochs)]
     steps_per_epoch = len(batch_plan[0]) // cfg.gradient_accumulation_steps
     total_steps = steps_per_epoch * cfg.epochs
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                   weight_decay=cfg.weight_decay)
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=round(cfg.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_training_steps=total_steps,
+                              num_warmup_steps=round(cfg.warmup_ratio * total_steps))
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
 
     history: list[dict[str, float]] = []
@@ -228,10 +249,12 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, *, collate:
         model.train()
         loader = DataLoader(examples, batch_sampler=batch_plan[epoch], collate_fn=collate)
         for micro_batches in _grouped(iter(loader), cfg.gradient_accumulation_steps):
-            _optimizer_step(acc, model, optimizer, scheduler, micro_batches, losses_fn, units_fn, cfg, metrics)
+            _optimizer_step(acc, model, optimizer, scheduler, micro_batches, losses_fn, units_fn, cfg,
+                            metrics)
             step += 1
             if step % cfg.logging_steps == 0 or step % steps_per_epoch == 0:
-                report(step, {**metrics.reduce(acc), "lr": scheduler.get_last_lr()[0], "epoch": step / steps_per_epoch})
+                lr = scheduler.get_last_lr()[0]
+                report(step, {**metrics.reduce(acc), "lr": lr, "epoch": step / steps_per_epoch})
                 metrics = MetricAccumulator()
         eval_metrics = evaluate(acc.unwrap_model(model))
         report(step, {**eval_metrics, "epoch": epoch + 1.0})
@@ -242,11 +265,13 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, *, collate:
 # ---------------------------------------------------------------------------------------- SFT
 
 
-def train_sft(cfg: SFTConfig, model: nn.Module, tokenizer, train_rows: Sequence[Row], eval_rows: Sequence[Row], *,
-              accelerator: Accelerator | None = None, progress: Progress | None = None) -> SFTResult:
+def train_sft(cfg: SFTConfig, model: nn.Module, tokenizer, train_rows: Sequence[Row],
+              eval_rows: Sequence[Row], *, accelerator: Accelerator | None = None,
+              progress: Progress | None = None) -> SFTResult:
     """Fine-tune `model` on prompt/completion rows; after each epoch, its held-out loss on `eval_rows`."""
     examples = encode_sft(tokenizer, train_rows, cfg)
-    return fit(cfg, model, examples, collate=lambda ex: sft_collate(ex, tokenizer.pad_token_id),
+    return fit(cfg, model, examples, [len(ids) for ids, _ in examples],
+               collate=lambda ex: sft_collate(ex, tokenizer.pad_token_id),
                losses_fn=token_losses, units_fn=completion_tokens,
                evaluate=lambda m: {"eval/loss": sft_loss(m, tokenizer, eval_rows, cfg)},
                accelerator=accelerator, progress=progress)
@@ -268,13 +293,13 @@ def sft_loss(model: nn.Module, tokenizer, rows: Sequence[Row], cfg: SFTConfig) -
 
 @torch.no_grad()
 def greedy_completions(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
-                       batch_size: int, max_prompt_length: int = 256) -> list[tuple[str, bool]]:
+                       batch_size: int, max_prompt_length: int) -> list[tuple[str, bool]]:
     """Greedy completions of `prompts` from left-padded batches: (text without EOS, ended_with_eos)."""
     model.eval()
     device = next(model.parameters()).device
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, eos_token_id=eos,
-                              use_cache=True)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                              eos_token_id=eos, use_cache=True)
     ids = [p[-max_prompt_length:] for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
     out = []
     for start in range(0, len(ids), batch_size):
@@ -289,8 +314,8 @@ def greedy_completions(model: nn.Module, tokenizer, prompts: Sequence[str], *, m
     return out
 
 
-def evaluate_sft(model: nn.Module, tokenizer, prompt_rows: Sequence[Row], max_new_tokens: int, batch_size: int,
-                 *, eval_rows: Sequence[Row] = (), gold: GoldFn | None = None,
+def evaluate_sft(model: nn.Module, tokenizer, prompt_rows: Sequence[Row], max_new_tokens: int,
+                 batch_size: int, *, eval_rows: Sequence[Row] = (), gold: GoldFn | None = None,
                  cfg: SFTConfig | None = None) -> dict[str, float]:
     """Held-out loss on `eval_rows` (when given) and greedy-decoding metrics on `prompt_rows`.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_core.models import init_causal_lm, tiny_gpt_neox_config
+from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
 from rlhf_core.world import gold_reward
 from tasks.io import atomic_path
 from tasks.params import Params
@@ -15,13 +15,22 @@ def gold_fn(params: Params):
     return gold_reward if params.prepare.source == "world" else None
 
 
-def tiny_policy(params: Params, tokenizer):
+def _tiny_config(params: Params, tokenizer):
     tiny = params.sft.tiny
-    config = tiny_gpt_neox_config(vocab_size=len(tokenizer), hidden_size=tiny.hidden_size,
-                                  num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-                                  intermediate_size=tiny.intermediate_size, max_positions=tiny.max_positions,
-                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return init_causal_lm(config, seed=params.base.seed)
+    return tiny_gpt_neox_config(vocab_size=len(tokenizer), hidden_size=tiny.hidden_size,
+                                num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                                intermediate_size=tiny.intermediate_size, max_positions=tiny.max_positions,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def tiny_policy(params: Params, tokenizer):
+    """A fresh GPT-NeoX causal LM of the demo's size."""
+    return init_causal_lm(_tiny_config(params, tokenizer), seed=params.base.seed)
+
+
+def tiny_reward_model(params: Params, tokenizer):
+    """A fresh GPT-NeoX sequence classifier (num_labels=1) of the demo's size."""
+    return init_sequence_scorer(_tiny_config(params, tokenizer), seed=params.base.seed + 1)
 
 
 def save_model(model, tokenizer, target: Path) -> None:

@@ -76,7 +76,7 @@ class TinyModelParams(_Section):
     """Architecture of the GPT-NeoX the demo trains from scratch."""
 
     hidden_size: int = Field(128, gt=0)
-    num_layers: int = Field(4, gt=0)
+    num_layers: int = Field(2, gt=0)
     num_heads: int = Field(4, gt=0)
     intermediate_size: int = Field(512, gt=0)
     max_positions: int = Field(512, gt=0)
@@ -96,8 +96,9 @@ class SFTParams(SFTConfig):
 class RewardModelParams(RewardConfig):
     pretrained: str | None = None
     """An already trained reward model (dir or hub id): the stage only evaluates it."""
-    init_from_sft: bool = True
-    """Initialize the reward model's backbone from the SFT policy (as summarize-from-feedback does)."""
+    init_from_sft: bool = False
+    """Start from the SFT policy's backbone (summarize-from-feedback) instead of a fresh tiny model: on the
+    demo world a fresh init scored higher (gold accuracy 0.855-0.869 vs 0.82-0.85)."""
 
 
 class TrainParams(RLConfig):

@@ -9,7 +9,7 @@ from rlhf_core.reward_training import (
     train_reward_model,
 )
 from rlhf_core.world import gold_reward
-from tasks.common import save_model
+from tasks.common import save_model, tiny_reward_model
 from tasks.io import read_jsonl, write_json
 from tasks.params import Params
 from tasks.paths import Paths
@@ -27,7 +27,7 @@ def run(params: Params, paths: Paths) -> dict:
         if cfg.init_from_sft:
             model = reward_model_from_policy(load_policy(paths.sft_model), seed=params.base.seed)
         else:
-            raise ValueError("reward_model: set pretrained, or init_from_sft: true")
+            model = tiny_reward_model(params, tokenizer)
         result = train_reward_model(rm_cfg, model, tokenizer, read_jsonl(paths.split("prefs_train")), eval_rows)
         model, metrics = result.model, {"train_seconds": result.train_seconds}
     metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
