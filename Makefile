@@ -28,8 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/rlhf bench --algo ppo --updates 3
-	$(BIN)/rlhf bench --algo rloo --updates 3
+	$(BIN)/rlhf run
 
 test: setup
 	$(BIN)/python -m pytest -m "not gpu and not server" $(PYTEST_ARGS)

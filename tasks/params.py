@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rlhf_core.config import RLConfig
 from rlhf_core.reward_training import RewardConfig
 from rlhf_core.sft import SFTConfig
+from rlhf_core.world import WorldConfig
 
 PARAMS_FILE = "params.yaml"
 PROFILES_DIR = "profiles"
@@ -36,23 +37,10 @@ class BaseParams(_Section):
     """Seeds every stage; each stage derives its own seed from it."""
 
 
-class WorldParams(_Section):
-    """Sizes and noise of the built-in synthetic TL;DR world (see rlhf_core/world)."""
-
-    sft_train: int = Field(4096, ge=1)
-    sft_eval: int = Field(256, ge=1)
-    prefs_train: int = Field(4096, ge=1)
-    prefs_eval: int = Field(512, ge=1)
-    prompts_train: int = Field(1024, ge=1)
-    prompts_eval: int = Field(256, ge=1)
-    sft_flawed_fraction: float = Field(0.35, ge=0.0, le=1.0)
-    label_noise: float = Field(0.1, ge=0.0, le=0.5)
-
-
 class PrepareParams(_Section):
     source: str = "world"
     """'world' for the built-in synthetic TL;DR world, else a dataset profile's sources below."""
-    world: WorldParams = WorldParams()
+    world: WorldConfig = Field(default_factory=WorldConfig)
     """Used when source is 'world'."""
     sft: str | None = None
     """Real data: SFT rows {prompt, completion} (local .jsonl/.parquet, saved dir, or hub id)."""

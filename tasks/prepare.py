@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from rlhf_core.models import load_tokenizer
 from rlhf_core.sources import load_rows
-from rlhf_core.world import WorldConfig, build_world, train_tokenizer
+from rlhf_core.world import build_world, train_tokenizer
 from tasks.io import atomic_path, write_json, write_jsonl
 from tasks.params import Params, PrepareParams
 from tasks.paths import SPLITS, Paths
@@ -54,7 +54,7 @@ def length_filter(rows: Sequence[dict], tokenizer, cfg: PrepareParams) -> list[d
 
 
 def world_splits(params: Params) -> dict[str, list[dict]]:
-    world = build_world(params.base.seed, WorldConfig(**params.prepare.world.model_dump()))
+    world = build_world(params.base.seed, params.prepare.world)
     return {name: world[name] for name in SPLITS}
 
 
