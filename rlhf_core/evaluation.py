@@ -47,6 +47,12 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
     return _pad_and_cat(parts, pad_token_id)
 
 
+def decode_responses(tokenizer, batch: Rollout) -> list[str]:
+    """The completions' text, stop token and padding removed."""
+    return tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch.responses, batch.response_mask, strict=True)],
+                                  skip_special_tokens=True)
+
+
 def _pad_and_cat(parts: list[Rollout], pad_token_id: int) -> Rollout:
     """Concatenate rollouts whose prompt widths differ by left-padding the narrower ones."""
     width = max(p.context_length for p in parts)
@@ -95,9 +101,7 @@ def evaluate(policy: nn.Module, reference: nn.Module, tokenizer, prompts: Sequen
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     kwargs = dict(response_length=response_length, pad_token_id=pad, stop_token_id=stop, batch_size=batch_size)
     policy_batch, ref_batch = greedy_rollout(policy, prompt_ids, **kwargs), greedy_rollout(reference, prompt_ids, **kwargs)
-    texts = {name: tokenizer.batch_decode([r[m].tolist() for r, m in zip(b.responses, b.response_mask, strict=True)],
-                                          skip_special_tokens=True)
-             for name, b in (("policy", policy_batch), ("ref", ref_batch))}
+    texts = {"policy": decode_responses(tokenizer, policy_batch), "ref": decode_responses(tokenizer, ref_batch)}
     rm = {"policy": scorer(policy_batch).cpu(), "ref": scorer(ref_batch).cpu()}
     kl = sequence_kl(policy, reference, policy_batch, temperature, batch_size)
     summary = {"win_rate_rm": _win_rate(rm["policy"], rm["ref"]), "mean_kl": kl.mean().item()}

@@ -25,11 +25,11 @@ from accelerate.utils import set_seed
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig, get_scheduler
+from transformers import get_scheduler
 
-from rlhf_core import ops
+from rlhf_core.evaluation import decode_responses, greedy_rollout
 from rlhf_core.metrics import MetricAccumulator
-from rlhf_core.rollout import left_pad, position_ids, stop_mask
+from rlhf_core.rollout import position_ids
 
 IGNORE_INDEX = -100  # torch's cross-entropy skips this label
 # Mini-batches whose rows are sorted by length together: enough to group lengths, few enough to stay random.
@@ -291,27 +291,13 @@ def sft_loss(model: nn.Module, tokenizer, rows: Sequence[Row], cfg: SFTConfig) -
     return total.item() / max(count, 1)
 
 
-@torch.no_grad()
 def greedy_completions(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
-                       batch_size: int, max_prompt_length: int) -> list[tuple[str, bool]]:
+                       batch_size: int, max_prompt_length: int = 256) -> list[tuple[str, bool]]:
     """Greedy completions of `prompts` from left-padded batches: (text without EOS, ended_with_eos)."""
-    model.eval()
-    device = next(model.parameters()).device
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                              eos_token_id=eos, use_cache=True)
     ids = [p[-max_prompt_length:] for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
-    out = []
-    for start in range(0, len(ids), batch_size):
-        queries, query_mask = left_pad(ids[start:start + batch_size], pad)  # (b, P)
-        generated = model.generate(input_ids=queries.to(device), attention_mask=query_mask.long().to(device),
-                                   generation_config=config)  # (b, P + <=max_new_tokens)
-        responses = ops.truncate_after_stop(generated[:, queries.shape[1]:], eos, pad)  # (b, R)
-        mask, ended = stop_mask(responses, eos)  # (b, R), (b,)
-        texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(responses, mask, strict=True)],
-                                       skip_special_tokens=True)
-        out.extend(zip(texts, ended.tolist(), strict=True))
-    return out
+    batch = greedy_rollout(model, ids, response_length=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                           stop_token_id=tokenizer.eos_token_id, batch_size=batch_size)
+    return list(zip(decode_responses(tokenizer, batch), batch.contains_stop.tolist(), strict=True))
 
 
 def evaluate_sft(model: nn.Module, tokenizer, prompt_rows: Sequence[Row], max_new_tokens: int,
