@@ -60,3 +60,32 @@ def test_params_errors_name_the_key(workspace):
     with pytest.raises(ParamsError, match="train.seed is not a parameter"):
         load_params(workspace, overrides=["train.seed=3"])
     assert load_params(workspace, overrides=["train.kl_coef=0.1"]).rl_config().kl_coef == 0.1
+
+
+def test_real_profile_runs_on_local_copies(workspace, make_policy, make_scorer_model, tokenizer):
+    """tldr-pythia-1b with its hub ids replaced by local copies saved the way the hub stores them."""
+    shutil.copytree(REPO / "profiles", workspace / "profiles")
+    for name, model in (("sft_model", make_policy()), ("reward_model", make_scorer_model())):
+        model.save_pretrained(workspace / name)
+        tokenizer.save_pretrained(workspace / name)
+    words = [f"w{i}" for i in range(2, 16)]
+    sft_rows = [{"prompt": f"POST: {words[i % 14]} {words[i // 14]}\nTL;DR:", "completion": f" {words[i % 14]}"}
+                for i in range(60)]
+    pref_rows = [{"prompt": r["prompt"], "chosen": r["completion"], "rejected": " w7 w7"} for r in sft_rows]
+    for name, rows in (("sft.jsonl", sft_rows + sft_rows[:3]), ("prefs.jsonl", pref_rows)):
+        (workspace / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    local = ["prepare.sft=sft.jsonl", "prepare.preferences=prefs.jsonl", "prepare.tokenizer=sft_model",
+             "prepare.eval_fraction=0.3", "sft.pretrained=sft_model", "reward_model.pretrained=reward_model",
+             "train.total_episodes=16", "train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=2",
+             "train.local_rollout_forward_batch_size=16", "train.response_length=4", "evaluate.num_prompts=4",
+             "evaluate.response_length=4", "sft.eval_max_new_tokens=4"]
+    params = load_params(workspace, "tldr-pythia-1b", local)
+    assert params.train.learning_rate == 3e-6 and params.train.kl_coef == 0.05 and params.train.num_epochs == 4
+    invoke("run", "--profile", "tldr-pythia-1b", *[x for item in local for x in ("--set", item)])
+    prepared = json.loads((workspace / "metrics" / "prepare.json").read_text())
+    assert prepared["sft_train"]["duplicates"] + prepared["sft_eval"]["duplicates"] == 3
+    train_prompts = {json.loads(line)["prompt"] for line in (workspace / "data" / "prompts_train.jsonl").open()}
+    eval_prompts = {json.loads(line)["prompt"] for line in (workspace / "data" / "prompts_eval.jsonl").open()}
+    assert eval_prompts and not train_prompts & eval_prompts, "eval prompts are held out of training"
+    evaluation = json.loads((workspace / "metrics" / "eval.json").read_text())
+    assert "win_rate_rm" in evaluation and "win_rate_gold" not in evaluation, "real data has no gold reward"
