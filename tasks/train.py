@@ -1,13 +1,15 @@
 """Stage `train`: PPO or RLOO from the SFT policy against the reward model, with checkpoints.
 
-A rerun after a crash resumes from the newest checkpoint made with exactly these parameters;
-checkpoints of other parameters are discarded.
+A rerun after a crash resumes from the newest checkpoint made from exactly these parameters and input
+models and prompts (a fingerprint is kept beside the checkpoints); any other checkpoints are discarded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from pathlib import Path
 
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.reward_training import reward_model_from_policy
@@ -15,24 +17,38 @@ from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.tracking import JsonlTracker
 from rlhf_core.trainer import RLTrainer, list_checkpoints
 from tasks.common import save_model
-from tasks.io import read_jsonl, write_json
+from tasks.io import read_jsonl, write_json, write_jsonl
 from tasks.params import Params
 from tasks.paths import Paths
 
 HISTORY = "train_history.jsonl"
 
 
-def _resumable(paths: Paths, cfg_json: dict):
-    """The newest checkpoint made with this exact config, or None (stale ones are removed)."""
-    for checkpoint in reversed(list_checkpoints(paths.checkpoints)):
-        saved = json.loads((checkpoint / "trainer_state.json").read_text())["config"]
-        if saved == cfg_json:
-            return checkpoint
+def _fingerprint(paths: Paths, cfg_json: dict) -> str:
+    """Hash of everything a checkpoint depends on: the config and the input models and prompts."""
+    digest = hashlib.sha256(json.dumps(cfg_json, sort_keys=True).encode())
+    inputs = [paths.split("prompts_train"), *sorted(paths.sft_model.glob("*.safetensors")),
+              *sorted(paths.reward_model.glob("*.safetensors"))]
+    for path in inputs:
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _resumable(paths: Paths, fingerprint: str) -> Path | None:
+    """The newest checkpoint made from exactly these inputs and config; otherwise start clean."""
+    marker = paths.checkpoints / "inputs.sha256"
+    checkpoints = list_checkpoints(paths.checkpoints)
+    if checkpoints and marker.is_file() and marker.read_text() == fingerprint:
+        return checkpoints[-1]
     shutil.rmtree(paths.checkpoints, ignore_errors=True)
+    paths.checkpoints.mkdir(parents=True)
+    marker.write_text(fingerprint)
     return None
 
 
-def run(params: Params, paths: Paths, tracker=None) -> dict:
+def run(params: Params, paths: Paths) -> dict:
     cfg = params.rl_config()
     tokenizer = load_tokenizer(paths.sft_model)
     policy = load_policy(paths.sft_model)
@@ -44,19 +60,23 @@ def run(params: Params, paths: Paths, tracker=None) -> dict:
     max_prompt = params.prepare.max_prompt_tokens
     prompts = [ids[-max_prompt:] for ids in tokenizer([r["prompt"] for r in read_jsonl(paths.split("prompts_train"))],
                                                       add_special_tokens=False)["input_ids"]]
-    checkpoint = _resumable(paths, cfg.model_dump(mode="json"))
+    checkpoint = _resumable(paths, _fingerprint(paths, cfg.model_dump(mode="json")))
+    resumed = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
     history_file = paths.reports / HISTORY
     if checkpoint is None:
         history_file.unlink(missing_ok=True)
+    elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
+        write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
     trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        ref_policy=load_policy(paths.sft_model), tracker=tracker or JsonlTracker(history_file),
+                        ref_policy=load_policy(paths.sft_model), tracker=JsonlTracker(history_file),
                         checkpoint_dir=paths.checkpoints)
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
-    history = trainer.train()
+    trainer.train()
     save_model(trainer.unwrapped.policy, tokenizer, paths.policy)
-    metrics = {k: v for k, v in (history[-1] if history else {}).items() if not k.startswith("time/")}
-    metrics["resumed_from_update"] = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
+    last = read_jsonl(history_file)[-1] if history_file.is_file() else {}  # the whole run's, resumed or not
+    metrics = {k: v for k, v in last.items() if not k.startswith("time/")}
+    metrics["resumed_from_update"] = resumed
     write_json(paths.metrics_file("train"), metrics)
     return metrics

@@ -53,6 +53,19 @@ def test_run_writes_every_stage_output(workspace):
         assert (workspace / "reports" / "eval" / plot).read_bytes()[:4] == b"\x89PNG"
     assert not list(workspace.rglob("*.tmp")), "no temp outputs are left behind"
 
+    # a rerun with the same inputs resumes from the final checkpoint: no update is redone
+    trained = json.loads((workspace / "metrics" / "train.json").read_text())
+    overrides = [x for item in TINY for x in ("--set", item)]
+    invoke("stage", "train", *overrides)
+    again = json.loads((workspace / "metrics" / "train.json").read_text())
+    assert again["resumed_from_update"] == 1 and again["objective/scores"] == trained["objective/scores"]
+    # new inputs invalidate the checkpoints: training starts over
+    prompts = workspace / "data" / "prompts_train.jsonl"
+    prompts.write_text(prompts.read_text().replace("TL;DR:", "TL;DR: "))
+    invoke("stage", "train", *overrides)
+    assert json.loads((workspace / "metrics" / "train.json").read_text())["resumed_from_update"] == 0
+    assert len((workspace / "reports" / "train_history.jsonl").read_text().splitlines()) == 1
+
 
 def test_params_errors_name_the_key(workspace):
     with pytest.raises(ParamsError, match="train.kl_coeff: unknown key; allowed: .*kl_coef"):
