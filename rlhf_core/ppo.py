@@ -25,6 +25,11 @@ from rlhf_core.rollout import PolicyOutput, Rollout
 USES_VALUE_MODEL = True
 
 
+def score_positions(batch: Rollout) -> Tensor:
+    """(B,) the response position that receives the score: the final response token (see above)."""
+    return (batch.response_lengths - 1).clamp(min=0)
+
+
 def shaped_rewards(batch: Rollout, kl_coef: float, estimator: str) -> tuple[Tensor, Tensor]:
     """Per-token rewards (B, R): KL penalty everywhere, score on the final response token.
 
@@ -33,8 +38,7 @@ def shaped_rewards(batch: Rollout, kl_coef: float, estimator: str) -> tuple[Tens
     mask = batch.response_mask
     kl = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, estimator) * mask  # (B, R)
     rewards = -kl_coef * kl
-    last = (batch.response_lengths - 1).clamp(min=0)  # (B,) index of the final response token
-    rewards[torch.arange(len(batch), device=rewards.device), last] += batch.scores
+    rewards[torch.arange(len(batch), device=rewards.device), score_positions(batch)] += batch.scores
     return rewards, kl
 
 

@@ -31,7 +31,11 @@ def _standardize(x: Tensor, ref: Tensor, clip: float) -> Tensor:
 
 
 def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str, Tensor]]:
-    """Fill advantages ((B, 1) sequence-level or (B, R) token-level) and per-episode stats (B,)."""
+    """Fill advantages ((B, 1) sequence-level or (B, R) token-level) and per-episode stats (B,).
+
+    The stats include each episode's baselined reward (`rloo/reward`: the sequence reward, or G_0 at token
+    level, after any normalization) and its leave-one-out baseline (`rloo/baseline`).
+    """
     opts, k, mask = cfg.rloo, cfg.rloo.rloo_k, batch.response_mask
     kl = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * mask  # (B, R)
     non_score_reward = -cfg.kl_coef * kl.sum(1)  # (B,)
@@ -42,6 +46,7 @@ def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str
         reward = _standardize(rlhf_reward, rlhf_reward, opts.reward_clip_range) if opts.normalize_reward \
             else rlhf_reward
         advantages = ops.rloo_advantages(reward.view(-1, k)).view(-1, 1)  # (B, 1)
+        stats.update({"rloo/reward": reward, "rloo/baseline": reward - advantages.view(-1)})  # for the trace
         if opts.normalize_advantage:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         rewards = None
@@ -54,6 +59,7 @@ def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str
             to_go = _standardize(to_go, to_go[:, 0], opts.reward_clip_range)
         start = to_go[:, 0]  # (B,) G_0, the whole episode's reward
         baseline = start - ops.rloo_advantages(start.view(-1, k)).view(-1)  # (B,) leave-one-out mean
+        stats.update({"rloo/reward": start, "rloo/baseline": baseline})  # for the trace
         advantages = to_go - baseline[:, None]
         if opts.normalize_advantage:
             advantages = ops.masked_whiten(advantages, mask)

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -40,6 +40,10 @@ from rlhf_core.scoring import Scorer
 from rlhf_core.tracking import NullTracker, Tracker
 
 ALGORITHMS = {"ppo": ppo, "rloo": rloo}
+
+UpdateHook = Callable[["RLTrainer", Rollout, dict[str, Tensor]], None]
+"""Called on the main process after each update with the trainer, the update's filled rollout batch (this
+process's share) and its per-episode stats: what the reward-flow trace (trace.py) reads."""
 
 
 class PolicyAndValue(nn.Module):
@@ -83,7 +87,8 @@ class RLTrainer:
     def __init__(self, cfg: RLConfig, policy: nn.Module, scorer: Scorer, prompts: Sequence[Sequence[int]], *,
                  pad_token_id: int, stop_token_id: int | None, value_model: nn.Module | None = None,
                  ref_policy: nn.Module | None = None, accelerator: Accelerator | None = None,
-                 tracker: Tracker | None = None, checkpoint_dir: str | Path | None = None):
+                 tracker: Tracker | None = None, checkpoint_dir: str | Path | None = None,
+                 on_update: UpdateHook | None = None):
         self.cfg = cfg
         self.algo = ALGORITHMS[cfg.algo]
         if self.algo.USES_VALUE_MODEL and value_model is None:
@@ -97,6 +102,7 @@ class RLTrainer:
         self.pad_token_id, self.stop_token_id = pad_token_id, (stop_token_id if cfg.stop_token else None)
         self.scorer, self.prompts = scorer, prompts
         self.tracker = tracker or NullTracker()
+        self.on_update = on_update
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.state = TrainerState()
         self.sampler = PromptSampler(len(prompts), self.plan.local_prompts, seed=cfg.seed,
@@ -151,6 +157,8 @@ class RLTrainer:
             logs = self.log(batch, episode_stats, metrics, elapsed=time.perf_counter() - start,
                             episodes=self.state.episode - start_episode)
             history.append(logs)
+            if self.on_update is not None and self.accelerator.is_main_process:
+                self.on_update(self, batch, episode_stats)
             if self.checkpoint_dir and self._checkpoint_due():
                 self.save_checkpoint()
         return history

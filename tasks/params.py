@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlhf_core.config import RLConfig
+from rlhf_core.inspection import InspectionConfig
 from rlhf_core.reward_training import RewardConfig
 from rlhf_core.sft import SFTConfig
 from rlhf_core.world import WorldConfig
@@ -89,9 +90,17 @@ class RewardModelParams(RewardConfig):
     demo world a fresh init scored higher (gold accuracy 0.855-0.869 vs 0.82-0.85)."""
 
 
+class InspectParams(InspectionConfig):
+    """The reward-model inspection (stage `inspect`); fields documented in rlhf_core/inspection.py."""
+
+
 class TrainParams(RLConfig):
     value_model_init: str = "reward"
     """Initialize PPO's value model from 'reward' (TRL's choice) or 'sft' (backbone + a fresh head)."""
+    trace_every: int = Field(20, ge=0)
+    """Write the reward-flow trace (reports/trace/) every N updates and at the last one; 0: never."""
+    trace_rollouts: int = Field(4, gt=0)
+    """Rollouts of the batch (the first ones) each trace breaks down token by token."""
 
 
 class EvaluateParams(_Section):
@@ -108,6 +117,7 @@ class Params(_Section):
     prepare: PrepareParams = PrepareParams()
     sft: SFTParams = SFTParams()
     reward_model: RewardModelParams = RewardModelParams()
+    inspect: InspectParams = InspectParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
 

@@ -44,3 +44,45 @@ def plot_evaluation(rows: list[dict], history: list[dict], out: Path) -> None:
     ax.set(xlabel="words per greedy completion", ylabel="prompts", title="Response lengths")
     ax.legend()
     _save(fig, out / "response_lengths.png")
+
+
+def plot_inspection(samples: dict[str, dict[str, list]], target: Path) -> None:
+    """Reward-model scores: their histogram per completion set, and score against completion length."""
+    fig, (hist, scatter) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, sample in samples.items():
+        hist.hist(sample["scores"], bins=30, alpha=0.5, label=f"{name} ({len(sample['scores'])})")
+        scatter.scatter(sample["lengths"], sample["scores"], s=6, alpha=0.5, label=name)
+    hist.set(xlabel="reward-model score", ylabel="completions", title="Score distribution")
+    scatter.set(xlabel="completion tokens (EOS excluded)", ylabel="reward-model score", title="Score against length")
+    hist.legend()
+    scatter.legend()
+    _save(fig, target)
+
+
+def plot_trace(trace: dict, target: Path) -> None:
+    """The reward-flow trace as a heatmap per rollout: quantities (rows) x response tokens (columns).
+
+    Each row is coloured on its own symmetric scale (a log-prob and an advantage do not share units); the
+    numbers are printed in the cells while they stay legible.
+    """
+    names, rollouts = trace["quantities"], trace["rollouts"]
+    width = max(len(r["tokens"]) for r in rollouts)
+    fig, axes = plt.subplots(len(rollouts), 1, squeeze=False, layout="constrained",
+                             figsize=(max(6.0, 0.55 * width + 2), (0.3 * len(names) + 0.9) * len(rollouts)))
+    for ax, rollout in zip(axes[:, 0], rollouts, strict=True):
+        values = [[tok[name] for tok in rollout["tokens"]] for name in names]  # (Q, L)
+        scale = [max(max(abs(v) for v in row), 1e-12) for row in values]
+        ax.imshow([[v / s for v in row] for row, s in zip(values, scale, strict=True)], cmap="RdBu",
+                  vmin=-1, vmax=1, aspect="auto")
+        if len(rollout["tokens"]) <= 40:
+            for q, row in enumerate(values):
+                for t, v in enumerate(row):
+                    ax.text(t, q, f"{v:.2g}", ha="center", va="center", fontsize=5.5)
+        ax.set_yticks(range(len(names)), names, fontsize=7)
+        labels = ["".join(c if c.isprintable() else repr(c)[1:-1] for c in tok["token"]) for tok in rollout["tokens"]]
+        ax.set_xticks(range(len(labels)), labels, rotation=60, fontsize=7)
+        extra = "".join(f", {k} {rollout[k]:.3g}" for k in ("baseline", "advantage") if k in rollout)
+        ax.set_title(f"rollout {rollout['index']}: score {rollout['score']:.3g}, KL {rollout['kl_sum']:.3g}, "
+                     f"score - KL penalty {rollout['rlhf_reward']:.3g}{extra}", fontsize=8)
+    fig.suptitle(f"Reward flow, update {trace['update']} ({trace['algo']}, kl_coef {trace['kl_coef']})", fontsize=9)
+    _save(fig, target)

@@ -14,6 +14,7 @@ STAGES = {  # name -> module with `run(params, paths) -> dict`
     "prepare": "tasks.prepare",
     "sft": "tasks.sft",
     "reward-model": "tasks.reward_model",
+    "inspect": "tasks.inspect_rm",
     "train": "tasks.train",
     "evaluate": "tasks.evaluate",
 }

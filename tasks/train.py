@@ -14,6 +14,7 @@ from pathlib import Path
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.reward_training import reward_model_from_policy
 from rlhf_core.scoring import RewardModelScorer
+from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker
 from rlhf_core.trainer import RLTrainer, list_checkpoints
 from tasks.common import save_model
@@ -22,6 +23,7 @@ from tasks.params import Params
 from tasks.paths import Paths
 
 HISTORY = "train_history.jsonl"
+TRACE_DIR = "trace"
 
 
 def _fingerprint(paths: Paths, cfg_json: dict) -> str:
@@ -48,6 +50,30 @@ def _resumable(paths: Paths, fingerprint: str) -> Path | None:
     return None
 
 
+def _trace_writer(params: Params, tokenizer, out: Path):
+    """The trainer's on_update hook: the reward-flow trace of due updates, as JSON and a PNG heatmap."""
+    cfg, every, rollouts = params.rl_config(), params.train.trace_every, params.train.trace_rollouts
+
+    def write(trainer: RLTrainer, batch, stats) -> None:
+        update = trainer.state.update
+        if not trace_due(update, trainer.plan.num_updates, every):
+            return
+        from tasks.plots import plot_trace
+
+        trace = trace_update(batch, stats, cfg, update=update, decode=tokenizer.decode, rollouts=rollouts)
+        write_json(out / f"update-{update:04d}.json", trace)
+        plot_trace(trace, out / f"update-{update:04d}.png")
+
+    return write
+
+
+def _prune_traces(out: Path, resumed: int) -> None:
+    """Keep only the traces of updates a resumed run will not redo (a fresh run: none)."""
+    for path in out.glob("update-*.*"):
+        if int(path.stem.removeprefix("update-")) > resumed:
+            path.unlink()
+
+
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.rl_config()
     tokenizer = load_tokenizer(paths.sft_model)
@@ -67,10 +93,12 @@ def run(params: Params, paths: Paths) -> dict:
         history_file.unlink(missing_ok=True)
     elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
         write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
+    _prune_traces(paths.reports / TRACE_DIR, resumed)
     trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
                         ref_policy=load_policy(paths.sft_model), tracker=JsonlTracker(history_file),
-                        checkpoint_dir=paths.checkpoints)
+                        checkpoint_dir=paths.checkpoints,
+                        on_update=_trace_writer(params, tokenizer, paths.reports / TRACE_DIR))
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
     trainer.train()

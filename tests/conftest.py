@@ -54,3 +54,25 @@ def prompts():
 def target_fraction(prompts: list[str], completions: list[str]) -> list[float]:
     """A learnable reward: the fraction of the completion's words that are the target word."""
     return [c.split().count(TARGET_WORD) / max(len(c.split()), 1) for c in completions]
+
+
+@pytest.fixture(scope="session")
+def mlflow_db_template(tmp_path_factory):
+    """An empty MLflow sqlite store, created once: its migrations take ~10 s, a copy takes none."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def mlflow_root(tmp_path, monkeypatch, mlflow_db_template):
+    """A workspace with its own local MLflow store (a copy of the template), tracking on."""
+    import shutil
+
+    shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")
+    for var in ("MLFLOW_TRACKING_URI", "RLHF_TRACKING", "RLHF_PARENT_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    return tmp_path

@@ -1,0 +1,142 @@
+"""Stage `inspect` and `rlhf inspect-rm`: the reward-model inspection report (rlhf_core/inspection.py).
+
+(Named inspect_rm, not inspect: a module called `inspect` would shadow the standard library when tasks/ is on
+sys.path.)
+
+Writes reports/inspection/{report.json, summary.md, scores.png} and metrics/inspect.json, then fails the stage
+when a check failed, so `train` (which depends on the report) never starts on a reward model that scores the
+wrong token. The report holds no timings: an unchanged model gives a byte-identical report and DVC skips train.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlhf_core.inspection import InspectionConfig, inspect_reward_model
+from rlhf_core.models import load_scorer_model, load_tokenizer
+from tasks.io import atomic_path, read_jsonl, write_json
+from tasks.params import Params
+from tasks.paths import Paths
+
+REPORT_DIR = Path("reports") / "inspection"
+
+
+class InspectionFailed(RuntimeError):
+    """A check failed; the message says what is wrong and how to fix it (the CLI prints it, no traceback)."""
+
+
+def inspect_model(source: str | Path, cfg: InspectionConfig, pairs: Path | None = None,
+                  prompts: Path | None = None) -> dict:
+    """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files."""
+    model, tokenizer = load_scorer_model(source), load_tokenizer(source)
+    report = inspect_reward_model(model, tokenizer, pairs=read_rows(pairs, ("prompt", "chosen", "rejected")),
+                                  prompts=read_rows(prompts, ("prompt",)), cfg=cfg)
+    report["source"] = str(source)
+    return report
+
+
+def read_rows(path: Path | None, columns: tuple[str, ...]) -> list[dict]:
+    """JSONL rows with the given string columns; a clear ValueError naming the file and row otherwise."""
+    if path is None:
+        return []
+    try:
+        rows = read_jsonl(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not JSON lines ({err})") from None
+    for number, row in enumerate(rows, 1):
+        missing = [c for c in columns if not isinstance(row.get(c) if isinstance(row, dict) else None, str)]
+        if missing:
+            raise ValueError(f"{path}: row {number} has no text in {missing}; expected columns {list(columns)}")
+    return rows
+
+
+def write_report(report: dict, out: Path) -> None:
+    """report.json, summary.md and, when texts were scored, scores.png."""
+    from tasks.plots import plot_inspection
+
+    write_json(out / "report.json", report)
+    with atomic_path(out / "summary.md") as tmp:
+        tmp.write_text(summary_markdown(report))
+    if report.get("samples"):
+        plot_inspection(report["samples"], out / "scores.png")
+
+
+def metrics(report: dict) -> dict:
+    """The numbers DVC compares across runs."""
+    out = {"passed": int(report["passed"]), "checks_failed": sum(not c["passed"] for c in report["checks"])}
+    if "pairs" in report:
+        out.update(pair_accuracy=report["pairs"]["accuracy"], pair_margin=report["pairs"]["margin_mean"])
+    if report.get("length_bias", {}).get("correlation") is not None:
+        out["length_correlation"] = report["length_bias"]["correlation"]
+    for name, dist in report.get("scores", {}).items():
+        out[f"score_{name}_mean"], out[f"score_{name}_std"] = dist["mean"], dist["std"]
+    return out
+
+
+def run(params: Params, paths: Paths) -> dict:
+    out = paths.root / REPORT_DIR
+    report = inspect_model(paths.reward_model, params.inspect, pairs=paths.split("prefs_eval"),
+                           prompts=paths.split("prompts_eval"))
+    report["source"] = "models/reward"
+    write_report(report, out)
+    result = metrics(report)
+    write_json(paths.metrics_file("inspect"), result)
+    if not report["passed"]:
+        raise InspectionFailed(failure_message(report, out / "summary.md"))
+    return result
+
+
+def failure_message(report: dict, summary: Path) -> str:
+    lines = [f"reward-model inspection FAILED ({len(report['failures'])} problem(s)); full report: {summary}"]
+    return "\n".join(lines + [f"- {f}" for f in report["failures"]])
+
+
+# ------------------------------------------------------------------------------------------- summary.md
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def summary_markdown(report: dict) -> str:
+    model, tokens = report["model"], report["tokens"]
+    head = model["score_head"] or {}
+    lines = [f"# Reward-model inspection: {'PASSED' if report['passed'] else 'FAILED'}", "",
+             f"Model `{report.get('source', '?')}`: {model['class']} ({model['model_type']}), "
+             f"num_labels={model['num_labels']}, {model['parameters']:,} parameters, {model['dtype']}; "
+             f"score head `{head.get('module')}` {head.get('type')} weight {head.get('weight_shape')}, "
+             f"bias {head.get('bias')}; dropout modules active: {model['dropout_modules_active']}"
+             f"/{model['dropout_modules']}.", "",
+             f"Tokens: pad {tokens['pad_token']!r} (tokenizer id {tokens['tokenizer_pad_token_id']}, config id "
+             f"{tokens['config_pad_token_id']}), EOS {tokens['eos_token']!r} (id {tokens['tokenizer_eos_token_id']})"
+             f"; pad == EOS: {tokens['pad_is_eos']}; the tokenizer appends EOS itself: "
+             f"{tokens['tokenizer_appends_eos']}. {tokens['eos_handling']}.", ""]
+    if report["failures"]:
+        lines += ["## What is wrong and how to fix it", ""] + [f"- {f}" for f in report["failures"]] + [""]
+    if report["warnings"]:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    lines += ["## Checks", "", "`forward`: the model's own forward (its own pooling). `scorer`: "
+              "rlhf_core.scoring.RewardModelScorer, what reward training, RL and evaluation use.", "",
+              "| path | check | result | detail |", "|---|---|---|---|"]
+    lines += [f"| {c['path']} | {c['name']} | {'pass' if c['passed'] else '**FAIL**'} | {c['detail']} |"
+              for c in report["checks"]]
+    if "pairs" in report:
+        p = report["pairs"]
+        lines += ["", "## Held-out pairs", "", f"{p['n']} pairs: accuracy {_fmt(p['accuracy'])}, margin "
+                  f"{_fmt(p['margin_mean'])} ± {_fmt(p['margin_std'])}. Of pairs of unequal length, the reward "
+                  f"model prefers the longer completion in {_fmt(p['rm_prefers_longer'])}, the labels in "
+                  f"{_fmt(p['labels_prefer_longer'])}."]
+    if report.get("scores"):
+        lines += ["", "## Score distribution", "", "| completions | n | mean | std | min | p05 | median | p95 | max |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {name} | " + " | ".join(_fmt(d[k]) for k in ("n", "mean", "std", "min", "p05", "median",
+                                                                      "p95", "max")) + " |"
+                  for name, d in report["scores"].items()]
+        bias = report["length_bias"]
+        per_set = ", ".join(f"{k} {_fmt(v)}" for k, v in bias["per_set"].items())
+        lines += ["", f"Length bias: corr(score, completion tokens) = {_fmt(bias['correlation'])} over "
+                  f"{bias['n']} completions ({per_set}). See scores.png."]
+    return "\n".join(lines) + "\n"

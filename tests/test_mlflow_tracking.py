@@ -1,0 +1,127 @@
+"""MLflow tracking on a real sqlite store in tmp_path: nested stage runs, batched metric history, tables,
+lineage tags, and logging errors that never fail a stage."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_pipeline import TINY
+
+from tasks.io import write_json, write_jsonl
+from tasks.mlflow_tracking import (
+    MlflowTracker,
+    TrackingError,
+    end_pipeline_run,
+    experiment_id,
+    file_md5,
+    get_client,
+    iter_runs,
+    run_url,
+    start_pipeline_run,
+    track_stage,
+)
+from tasks.params import load_params
+from tasks.stages import run_stage
+
+
+def artifacts(client, run_id: str, path: str | None = None) -> set[str]:
+    return {a.path for a in client.list_artifacts(run_id, path)}
+
+
+def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
+    root = mlflow_root
+    (root / "dvc.lock").write_text("schema: '2.0'\nstages: {}\n")
+    parent = start_pipeline_run(root, None, TINY)
+    monkeypatch.setenv("RLHF_PARENT_RUN_ID", parent)
+    run_stage("prepare", root, None, TINY)
+    with pytest.raises(OSError, match="models/policy"):  # no trained policy yet: the stage fails
+        run_stage("evaluate", root, None, TINY)
+    end_pipeline_run(parent, "COMPLETED", root)
+
+    client = get_client(root)
+    run = client.get_run(parent)
+    assert run.info.status == "FINISHED" and run.info.run_name == "pipeline-demo"
+    assert run.data.params["train.kl_coef"] == "0.05" and run.data.params["prepare.world.sft_train"] == "128"
+    assert json.loads(run.data.params["overrides"]) == TINY, "overrides are recorded verbatim"
+    assert run.data.tags["rlhf.profile"] == "demo" and run.data.tags["rlhf.git_commit"] == "unknown"
+    assert run.data.tags["rlhf.dvc_lock_md5"] == file_md5(root / "dvc.lock")
+    assert {"dvc.lock", "metrics"} <= artifacts(client, parent)
+    assert run_url(parent, root).endswith(f"/runs/{parent}")
+
+    prepare, evaluate = iter_runs(root, parent)
+    assert (prepare.info.run_name, prepare.info.status) == ("prepare", "FINISHED")
+    assert prepare.data.params["prepare.world.sft_train"] == "128" and "base.seed" in prepare.data.params
+    assert not any(k.startswith("train.") for k in prepare.data.params), "a stage logs only its own section"
+    assert prepare.data.metrics["sft_train.rows"] > 0 and prepare.data.metrics["stage_seconds"] > 0
+    assert {"metrics/prepare.json", "dvc.lock"} <= artifacts(client, prepare.info.run_id) | \
+        artifacts(client, prepare.info.run_id, "metrics")
+    assert (evaluate.info.run_name, evaluate.info.status) == ("evaluate", "FAILED")
+    assert "error.txt" in artifacts(client, evaluate.info.run_id)
+    data_tag = "rlhf.data.data/prompts_eval.jsonl"  # lineage: md5 of the stage's data inputs
+    assert evaluate.data.tags[data_tag] == file_md5(root / "data" / "prompts_eval.jsonl")
+
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID")
+    metrics = track_stage("prepare", root, load_params(root, None, TINY), lambda: {"kept": 1})
+    standalone = client.search_runs([run.info.experiment_id], "attributes.run_name = 'prepare'",
+                                    order_by=["attributes.start_time DESC"])[0]
+    assert metrics == {"kept": 1} and "mlflow.parentRunId" not in standalone.data.tags
+
+
+def test_tracker_sends_metrics_in_batches(mlflow_root):
+    client = get_client(mlflow_root)
+    run_id = client.create_run(experiment_id(client, mlflow_root)).info.run_id
+    tracker = MlflowTracker(client, run_id, flush_every=4)
+    for step in range(1, 11):
+        tracker.log_metrics({"objective/kl": 0.1 * step, "policy/clipfrac_avg": 0.0}, step)
+        if step == 9:
+            assert len(client.get_metric_history(run_id, "objective/kl")) == 8, "flushed every 4 updates"
+    tracker.close()
+    history = client.get_metric_history(run_id, "objective/kl")
+    assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(1, 11))
+    assert max(history, key=lambda m: m.step).value == pytest.approx(1.0)
+
+
+def test_stage_reports_become_artifacts_and_tables(mlflow_root):
+    root = mlflow_root
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}", "score_rm": float(i)} for i in range(3)]
+
+    def evaluate() -> dict:  # stands in for the evaluate stage: its outputs as dvc.yaml declares them
+        write_jsonl(root / "reports" / "eval" / "completions.jsonl", rows)
+        (root / "reports" / "eval" / "plot.png").write_bytes(b"\x89PNG fake")
+        write_json(root / "metrics" / "eval.json", {"win_rate_rm": 0.75})
+        return {"win_rate_rm": 0.75, "note": "text is not a metric"}
+
+    track_stage("evaluate", root, load_params(root), evaluate)
+    client = get_client(root)
+    run = client.search_runs([experiment_id(client, root)], "attributes.run_name = 'evaluate'")[0]
+    assert run.data.metrics == {"win_rate_rm": 0.75}
+    assert {"reports/eval/completions.jsonl", "reports/eval/plot.png"} <= artifacts(client, run.info.run_id,
+                                                                                     "reports/eval")
+    table = Path(client.download_artifacts(run.info.run_id, "tables/reports/eval/completions.json", str(root)))
+    logged = json.loads(table.read_text())
+    assert logged["columns"] == ["prompt", "completion", "score_rm"] and len(logged["data"]) == 3
+
+
+def test_logging_errors_never_fail_but_a_bad_parent_fails_first(mlflow_root, monkeypatch, caplog):
+    client = get_client(mlflow_root)
+    tracker = MlflowTracker(client, "f" * 32, flush_every=1)  # a run that does not exist
+    tracker.log_metrics({"objective/kl": 1.0}, 1)
+    tracker.log_artifact(mlflow_root / "mlflow.db")
+    tracker.close()
+    assert tracker.errors >= 2 and "the stage goes on without it" in caplog.text
+
+    monkeypatch.setenv("RLHF_PARENT_RUN_ID", "0" * 32)
+    ran = []
+    with pytest.raises(TrackingError, match="RLHF_PARENT_RUN_ID"):
+        track_stage("prepare", mlflow_root, load_params(mlflow_root), lambda: ran.append(1) or {})
+    assert not ran, "a misconfiguration fails before the stage does any work"
+
+
+def test_tracking_off_touches_no_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert track_stage("prepare", tmp_path, load_params(tmp_path), lambda: {"a": 1}) == {"a": 1}
+    assert start_pipeline_run(tmp_path, None, []) == "" and run_url("", tmp_path) is None
+    assert not (tmp_path / "mlflow.db").exists()
