@@ -50,15 +50,15 @@ Profile = Annotated[str | None, typer.Option(help="Profile overriding params.yam
 
 
 @app.command()
-def stage(name: Annotated[str, typer.Argument(help="prepare | sft | reward-model | inspect | train | evaluate")],
+def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | train | evaluate")],
           profile: Profile = None, overrides: Overrides = None) -> None:
     """Run one pipeline stage in this workspace (what dvc.yaml calls)."""
-    from tasks.inspect_rm import InspectionFailed
     from tasks.stages import run_stage
+    from tasks.validate import ValidationFailed
 
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
-    except InspectionFailed as err:  # the reward model failed: a message and the report, not a traceback
+    except ValidationFailed as err:  # the data failed: a message and the report, not a traceback
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(metrics, indent=2, sort_keys=True))
@@ -67,58 +67,56 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | sft | reward-model
 @app.command()
 def run(profile: Profile = None, overrides: Overrides = None) -> None:
     """Run the whole pipeline, stage after stage."""
-    from tasks.inspect_rm import InspectionFailed
     from tasks.stages import STAGES, run_stage
+    from tasks.validate import ValidationFailed
 
     for name in STAGES:
         typer.echo(f"== {name}")
         try:
             metrics = run_stage(name, ".", profile, overrides or [])
-        except InspectionFailed as err:
+        except ValidationFailed as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1) from None
         typer.echo(json.dumps(metrics, sort_keys=True))
 
 
-@app.command("inspect-rm")
-def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save_pretrained directory or a hub id.")],
-               pairs: Annotated[str | None, typer.Option(help="Held-out pairs, JSONL {prompt, chosen, rejected}: "
-                                                             "accuracy, margin, length bias.")] = None,
-               prompts: Annotated[str | None, typer.Option(help="Prompts with references, JSONL {prompt, "
-                                                               "reference}: the score distribution.")] = None,
-               out: Annotated[str | None, typer.Option(help="Also write report.json, summary.md and scores.png "
-                                                           "into this directory.")] = None,
-               as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report, not the summary.")] = False,
-               ) -> None:
-    """Inspect a reward model: which token it scores, padding and batch invariance, scores, length bias.
+class Kind(str, Enum):
+    prompts = "prompts"
+    sft = "sft"
+    preferences = "preferences"
 
-    Exit status: 0 passed, 1 a check failed, 2 the model or a file could not be read.
+
+@app.command()
+def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .json or .parquet.")],
+             kind: Annotated[Kind, typer.Option(help="Which suite: prompts {prompt}, sft {prompt, completion}, "
+                                                     "preferences {prompt, chosen, rejected}.")],
+             tokenizer: Annotated[str | None, typer.Option(help="Policy tokenizer for the token-length bounds "
+                                                               "(default: models/tokenizer if it exists).")] = None,
+             max_prompt_tokens: Annotated[int | None, typer.Option(min=1, help="(default: params.yaml "
+                                                                       "prepare.max_prompt_tokens)")] = None,
+             max_completion_tokens: Annotated[int | None, typer.Option(min=1, help="(default: params.yaml "
+                                                                           "prepare.max_completion_tokens)")] = None,
+             as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report, not the summary.")] = False,
+             ) -> None:
+    """Validate a dataset file with the Great Expectations suite of its kind.
+
+    Exit status: 0 passed, 1 some expectation failed, 2 the file (or tokenizer) could not be read.
     """
-    from pathlib import Path
-
-    from rlhf_core.inspection import InspectionConfig
-    from tasks.inspect_rm import inspect_model, summary_markdown, write_report
+    from tasks.validate import ValidateError, check_file, summary_markdown
 
     try:
-        report = inspect_model(model, InspectionConfig(), pairs=pairs and Path(pairs),
-                               prompts=prompts and Path(prompts))
-    except (OSError, ValueError) as err:  # an unreadable model or file, a missing column
+        report = check_file(path, kind.value, tokenizer, max_prompt_tokens, max_completion_tokens)
+    except ValidateError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    if out:
-        write_report(report, Path(out))
     if as_json:
-        report.pop("samples", None)
-        typer.echo(json.dumps(report, indent=2))
+        typer.echo(json.dumps(report, indent=2, ensure_ascii=False))
     else:
         from rich.console import Console
         from rich.markdown import Markdown
 
         Console().print(Markdown(summary_markdown(report)))
-    raise typer.Exit(0 if report["passed"] else 1)
-
-
-app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
+    raise typer.Exit(0 if report["success"] else 1)
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ from tasks.paths import Paths
 
 STAGES = {  # name -> module with `run(params, paths) -> dict`
     "prepare": "tasks.prepare",
+    "validate": "tasks.validate",
     "sft": "tasks.sft",
     "reward-model": "tasks.reward_model",
-    "inspect": "tasks.inspect_rm",
     "train": "tasks.train",
     "evaluate": "tasks.evaluate",
 }

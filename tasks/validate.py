@@ -1,0 +1,261 @@
+"""Stage `validate` and `rlhf validate`: every dataset is checked before any model trains on it.
+
+Each split in data/ is validated with the Great Expectations suite of its kind (tasks/expectations.py), plus
+plain checks for what GX does not express on one frame: values that are not strings, prompts shared between
+train and eval splits, and files that cannot be read at all. The stage writes `reports/validation/report.json`
+(every expectation: column, success, unexpected count, example rows), `reports/validation/summary.md` (each
+failed expectation with example rows) and `metrics/validate.json`, then fails when anything failed, so
+`dvc repro` never trains on data that failed validation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import pandas as pd
+
+from rlhf_core.sources import SourceError, load_rows
+from tasks.expectations import TokenBudget, build_suite, entry, run_suites, text_columns, with_token_counts
+from tasks.io import atomic_path, write_json
+from tasks.params import Params, ParamsError, load_params
+from tasks.paths import SPLITS, Paths
+
+SPLIT_KINDS = {"sft": "sft", "prefs": "preferences", "prompts": "prompts"}  # split name prefix -> kind
+REPORT_DIR = "validation"  # under reports/
+DEFAULT_TOKENIZER = Path("models/tokenizer")  # what `prepare` writes: the policy tokenizer
+
+
+class ValidateError(ValueError):
+    """Validation could not run (unreadable file, tokenizer, params); the message names the file and line."""
+
+
+class ValidationFailed(RuntimeError):
+    """Some expectation failed; the message lists them and where the full report is."""
+
+
+def kind_of_split(name: str) -> str:
+    return SPLIT_KINDS[name.split("_")[0]]
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The file's records, or a ValidateError naming the file (and line) that says why it cannot be read."""
+    path = Path(path)
+    if not path.exists():
+        raise ValidateError(f"{path}: no such file")
+    if not path.is_file():
+        raise ValidateError(f"{path}: not a file; expected a .jsonl, .json or .parquet file")
+    if path.suffix in (".jsonl", ".json"):
+        _check_utf8(path)
+    try:
+        rows = load_rows(path)
+    except SourceError as err:
+        raise ValidateError(str(err)) from None
+    if not rows:
+        raise ValidateError(f"{path}: no records; expected at least one row")
+    return rows
+
+
+def _check_utf8(path: Path) -> None:
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValidateError(f"{path}: line {line} is not UTF-8 text (byte {err.start} is "
+                            f"{data[err.start:err.start + 1]!r}); expected UTF-8 JSON") from None
+
+
+# -- checks --------------------------------------------------------------------------------------------------
+
+def _is_null(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def to_frame(rows: list[dict], kind: str) -> tuple[pd.DataFrame, list[dict]]:
+    """The kind's text columns as a frame whose index is the row number (from 1), and the plain check that
+    every value is a string; other values (numbers, lists) reach GX as their JSON text."""
+    frame = pd.DataFrame(rows, index=pd.RangeIndex(1, len(rows) + 1), dtype=object)
+    columns = text_columns(kind, frame)
+    frame = frame[columns]
+    checks = []
+    for column in columns:
+        bad = [(row, v) for row, v in frame[column].items() if not (_is_null(v) or isinstance(v, str))]
+        checks.append(entry("values_are_strings", f"`{column}` is a string", column, bad))
+        frame[column] = [None if _is_null(v) else v if isinstance(v, str) else json.dumps(v) for v in frame[column]]
+    return frame, checks
+
+
+def leakage_checks(frames: Mapping[str, pd.DataFrame]) -> dict[str, dict]:
+    """For each `*_eval` frame: its rows whose prompt is also in a `*_train` frame (held-out evaluation must
+    not score prompts a model trained on)."""
+    seen_in: dict[str, list[str]] = {}
+    for name, frame in frames.items():
+        if name.endswith("_train") and "prompt" in frame:
+            for prompt in frame["prompt"].dropna().unique():
+                seen_in.setdefault(prompt, []).append(name)
+    checks = {}
+    for name, frame in frames.items():
+        if name.endswith("_eval") and "prompt" in frame:
+            bad = [(row, {"prompt": p, "also_in": ", ".join(seen_in[p])})
+                   for row, p in frame["prompt"].items() if p in seen_in]
+            checks[name] = entry("no_prompt_shared_with_train_splits",
+                                 "no `prompt` also appears in a train split", "prompt", bad)
+    return checks
+
+
+def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget, *, cross_split: bool = False,
+                   root: Path | None = None) -> dict:
+    """Validate each named (path, kind); with cross_split, eval splits must share no prompt with train splits.
+
+    Returns the report: {success, token_budget, datasets: [{name, path, kind, rows, success, checks}]}.
+    """
+    reports, batches, plain, frames = {}, {}, {}, {}
+    for name, (path, kind) in datasets.items():
+        reports[name] = {"name": name, "path": _shown(path, root), "kind": kind, "rows": 0}
+        try:
+            rows = read_rows(path)
+        except ValidateError as err:
+            reports[name]["checks"] = [entry("file_is_readable", "the file can be read", "", [], error=str(err))]
+            continue
+        frame, plain[name] = to_frame(rows, kind)
+        frames[name] = frame
+        if budget.tokenizer is not None:
+            frame = with_token_counts(frame, frame.columns, budget.tokenizer)
+        batches[name] = (frame, build_suite(kind, frame, budget))
+        reports[name]["rows"] = len(rows)
+    results = run_suites(batches) if batches else {}
+    leaks = leakage_checks(frames) if cross_split else {}
+    for name, gx_checks in results.items():
+        reports[name]["checks"] = gx_checks + plain[name] + ([leaks[name]] if name in leaks else [])
+    for report in reports.values():
+        report["success"] = all(check["success"] for check in report["checks"])
+    return {
+        "success": all(report["success"] for report in reports.values()),
+        "token_budget": {"tokenizer": budget.tokenizer and _shown(Path(budget.tokenizer.name_or_path), root),
+                         "max_prompt_tokens": budget.max_prompt_tokens,
+                         "max_completion_tokens": budget.max_completion_tokens},
+        "datasets": list(reports.values()),
+    }
+
+
+def _shown(path: Path, root: Path | None) -> str:
+    """Paths relative to the workspace: the report is a DVC dependency and must not change with its location."""
+    return str(path.relative_to(root)) if root and path.is_relative_to(root) else str(path)
+
+
+# -- what users read -----------------------------------------------------------------------------------------
+
+def failures(report: dict) -> list[tuple[dict, dict]]:
+    """(dataset, check) for every failed check."""
+    return [(d, c) for d in report["datasets"] for c in d["checks"] if not c["success"]]
+
+
+def _code(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def describe(check: dict) -> str:
+    """One line: what failed, where, and on which rows."""
+    where = f"`{check['expectation']}`" + (f" on `{check['column']}`" if check["column"] else "")
+    if check.get("error"):
+        return f"**{check['description']}** ({where}): {check['error']}"
+    if not check["unexpected_count"]:
+        return f"**{check['description']}** ({where}): failed"
+    count = check["unexpected_count"]
+    rows = ", ".join(map(str, check["rows"])) + (", …" if count > len(check["rows"]) else "")
+    return f"**{check['description']}** ({where}): {count} row{'s' * (count > 1)} (row{'s' * (count > 1)} {rows})"
+
+
+def summary_markdown(report: dict) -> str:
+    failed = failures(report)
+    total = sum(len(d["checks"]) for d in report["datasets"])
+    rows = sum(d["rows"] for d in report["datasets"])
+    verdict = f"FAILED: {len(failed)} of {total} checks failed" if failed else f"passed: {total} checks"
+    lines = [f"# Data validation {verdict}", "",
+             f"{len(report['datasets'])} dataset(s), {rows} rows. Rows are numbered from 1 (the line of a JSONL file "
+             "without blank lines).", ""]
+    budget = report["token_budget"]
+    if budget["tokenizer"] is None:
+        lines += ["Token lengths were not checked: no tokenizer (pass `--tokenizer DIR`).", ""]
+    else:
+        lines += [f"Token budgets ({budget['tokenizer']}): prompt ≤ {budget['max_prompt_tokens']}, "
+                  f"completions ≤ {budget['max_completion_tokens']}.", ""]
+    lines += ["| dataset | kind | rows | checks | failed |", "|---|---|---:|---:|---:|"]
+    for d in report["datasets"]:
+        bad = sum(not c["success"] for c in d["checks"])
+        lines.append(f"| {d['name']} | {d['kind']} | {d['rows']} | {len(d['checks'])} | {bad} |")
+    for d in report["datasets"]:
+        bad = [c for c in d["checks"] if not c["success"]]
+        if not bad:
+            continue
+        lines += ["", f"## {d['name']} (`{d['path']}`): {len(bad)} failed", ""]
+        for check in bad:
+            lines.append(f"- {describe(check)}")
+            lines += [f"  - row {ex['row']}: {_code(ex['value'])}" for ex in check["examples"]]
+    return "\n".join(lines) + "\n"
+
+
+def validation_counts(report: dict) -> dict:
+    """metrics/validate.json: rows and failed checks per dataset and in total."""
+    counts = {"success": report["success"], "checks": sum(len(d["checks"]) for d in report["datasets"]),
+              "failed": len(failures(report)), "rows": sum(d["rows"] for d in report["datasets"])}
+    for d in report["datasets"]:
+        counts[d["name"]] = {"rows": d["rows"], "failed": sum(not c["success"] for c in d["checks"])}
+    return counts
+
+
+# -- entry points --------------------------------------------------------------------------------------------
+
+def run(params: Params, paths: Paths) -> dict:
+    """Validate every split of data/ with its kind; write the report, summary and counts; fail on any failure."""
+    from rlhf_core.models import load_tokenizer
+
+    cfg = params.prepare
+    budget = TokenBudget(load_tokenizer(paths.tokenizer), cfg.max_prompt_tokens, cfg.max_completion_tokens)
+    datasets = {name: (paths.split(name), kind_of_split(name)) for name in SPLITS}
+    report = validate_files(datasets, budget, cross_split=True, root=paths.root)
+    out = paths.reports / REPORT_DIR
+    with atomic_path(out, directory=True) as tmp:
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        (tmp / "summary.md").write_text(summary_markdown(report))
+    counts = validation_counts(report)
+    write_json(paths.metrics_file("validate"), counts)
+    if not report["success"]:
+        listed = "\n".join(f"  {d['name']}: {describe(c).replace('**', '')}" for d, c in failures(report))
+        raise ValidationFailed(f"data validation failed ({counts['failed']} of {counts['checks']} checks); "
+                               f"see {out / 'summary.md'}\n{listed}")
+    return counts
+
+
+def check_file(path: str | Path, kind: str, tokenizer: str | None = None, max_prompt_tokens: int | None = None,
+               max_completion_tokens: int | None = None) -> dict:
+    """`rlhf validate`: one file against its kind's suite. Budgets default to params.yaml's `prepare` section
+    (of the current directory), the tokenizer to `models/tokenizer` when it exists (else lengths are skipped)."""
+    try:
+        cfg = load_params(".").prepare
+    except ParamsError as err:
+        raise ValidateError(str(err)) from None
+    tokenizer = tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
+    budget = TokenBudget(_load_tokenizer(tokenizer) if tokenizer else None,
+                         max_prompt_tokens or cfg.max_prompt_tokens, max_completion_tokens or cfg.max_completion_tokens)
+    path = Path(path)
+    report = validate_files({path.stem: (path, kind)}, budget)
+    unreadable = [c["error"] for c in report["datasets"][0]["checks"] if c["expectation"] == "file_is_readable"]
+    if unreadable:  # a file that cannot be read is an error of the command, not a failed expectation
+        raise ValidateError(unreadable[0])
+    return report
+
+
+def _load_tokenizer(name: str):
+    from rlhf_core.models import load_tokenizer
+
+    try:
+        return load_tokenizer(name)
+    except (OSError, ValueError) as err:
+        raise ValidateError(f"--tokenizer {name}: {err}") from None
