@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from tasks.models_cli import app as models_app
+
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -50,15 +52,16 @@ Profile = Annotated[str | None, typer.Option(help="Profile overriding params.yam
 
 
 @app.command()
-def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | train | evaluate")],
+def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | inspect | train | evaluate")],
           profile: Profile = None, overrides: Overrides = None) -> None:
     """Run one pipeline stage in this workspace (what dvc.yaml calls)."""
+    from tasks.inspect_rm import InspectionFailed
     from tasks.stages import run_stage
     from tasks.validate import ValidationFailed
 
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
-    except ValidationFailed as err:  # the data failed: a message and the report, not a traceback
+    except (ValidationFailed, InspectionFailed) as err:  # the data or the RM failed: a message and the report
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(metrics, indent=2, sort_keys=True))
@@ -67,6 +70,7 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
 @app.command()
 def run(profile: Profile = None, overrides: Overrides = None) -> None:
     """Run the whole pipeline, stage after stage."""
+    from tasks.inspect_rm import InspectionFailed
     from tasks.stages import STAGES, run_stage
     from tasks.validate import ValidationFailed
 
@@ -74,7 +78,7 @@ def run(profile: Profile = None, overrides: Overrides = None) -> None:
         typer.echo(f"== {name}")
         try:
             metrics = run_stage(name, ".", profile, overrides or [])
-        except ValidationFailed as err:
+        except (ValidationFailed, InspectionFailed) as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(1) from None
         typer.echo(json.dumps(metrics, sort_keys=True))
@@ -117,6 +121,47 @@ def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .
 
         Console().print(Markdown(summary_markdown(report)))
     raise typer.Exit(0 if report["success"] else 1)
+
+
+@app.command("inspect-rm")
+def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save_pretrained directory or a hub id.")],
+               pairs: Annotated[str | None, typer.Option(help="Held-out pairs, JSONL {prompt, chosen, rejected}: "
+                                                             "accuracy, margin, length bias.")] = None,
+               prompts: Annotated[str | None, typer.Option(help="Prompts with references, JSONL {prompt, "
+                                                               "reference}: the score distribution.")] = None,
+               out: Annotated[str | None, typer.Option(help="Also write report.json, summary.md and scores.png "
+                                                           "into this directory.")] = None,
+               as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report, not the summary.")] = False,
+               ) -> None:
+    """Inspect a reward model: which token it scores, padding and batch invariance, scores, length bias.
+
+    Exit status: 0 passed, 1 a check failed, 2 the model or a file could not be read.
+    """
+    from pathlib import Path
+
+    from rlhf_core.inspection import InspectionConfig
+    from tasks.inspect_rm import inspect_model, summary_markdown, write_report
+
+    try:
+        report = inspect_model(model, InspectionConfig(), pairs=pairs and Path(pairs),
+                               prompts=prompts and Path(prompts))
+    except (OSError, ValueError) as err:  # an unreadable model or file, a missing column
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    if out:
+        write_report(report, Path(out))
+    if as_json:
+        report.pop("samples", None)
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        Console().print(Markdown(summary_markdown(report)))
+    raise typer.Exit(0 if report["passed"] else 1)
+
+
+app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
 
 
 def main() -> None:

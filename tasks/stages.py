@@ -15,6 +15,7 @@ STAGES = {  # name -> module with `run(params, paths) -> dict`
     "validate": "tasks.validate",
     "sft": "tasks.sft",
     "reward-model": "tasks.reward_model",
+    "inspect": "tasks.inspect_rm",
     "train": "tasks.train",
     "evaluate": "tasks.evaluate",
 }
