@@ -7,6 +7,7 @@ that stage, so `train.kl_coef` is `RLConfig.kl_coef`, documented and validated w
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,23 @@ class EvaluateParams(_Section):
     """Prompts per generation / scoring forward."""
 
 
+class RegisterParams(_Section):
+    model_name: str = "rlhf-policy"
+    """Registered model name in the MLflow model registry."""
+    primary_metric: str = "win_rate_rm"
+    """Key of metrics/eval.json (higher is better) a new version must beat the champion on."""
+    min_primary: float = 0.5
+    """With no champion yet, the primary metric must exceed this: 0.5 means beating the SFT reference."""
+    max_kl: float = Field(10.0, ge=0.0)
+    """KL budget: a version whose eval mean_kl (nats per completion, vs the SFT reference) exceeds it is
+    never promoted. The demo's defaults reach ~4-5."""
+
+
+# pydantic warns that the field `register` shadows ABCMeta.register of the model class; instances read the
+# field, and nothing registers virtual subclasses of Params.
+warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows', category=UserWarning)
+
+
 class Params(_Section):
     base: BaseParams = BaseParams()
     prepare: PrepareParams = PrepareParams()
@@ -120,6 +138,7 @@ class Params(_Section):
     inspect: InspectParams = InspectParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    register: RegisterParams = RegisterParams()
 
     def rl_config(self) -> RLConfig:
         """The trainer's config: the train section without the pipeline-only fields, seeded by base.seed."""

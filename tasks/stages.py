@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tasks.mlflow_tracking import track_stage
 from tasks.params import load_params
 from tasks.paths import Paths
 
@@ -18,6 +19,7 @@ STAGES = {  # name -> module with `run(params, paths) -> dict`
     "inspect": "tasks.inspect_rm",
     "train": "tasks.train",
     "evaluate": "tasks.evaluate",
+    "register": "tasks.register",
 }
 
 
@@ -26,6 +28,10 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     params = load_params(root, profile, list(overrides))
     module = importlib.import_module(STAGES[name])
-    start = time.perf_counter()
-    metrics = module.run(params, Paths.at(root))
-    return {**metrics, "stage_seconds": time.perf_counter() - start}
+
+    def work() -> dict:
+        start = time.perf_counter()
+        metrics = module.run(params, Paths.at(root))
+        return {**metrics, "stage_seconds": time.perf_counter() - start}
+
+    return track_stage(name, root, params, work)  # an MLflow run per stage, unless RLHF_TRACKING=off

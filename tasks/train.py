@@ -19,6 +19,7 @@ from rlhf_core.tracking import JsonlTracker
 from rlhf_core.trainer import RLTrainer, list_checkpoints
 from tasks.common import save_model
 from tasks.io import read_jsonl, write_json, write_jsonl
+from tasks.mlflow_tracking import stage_tracker
 from tasks.params import Params
 from tasks.paths import Paths
 
@@ -93,10 +94,14 @@ def run(params: Params, paths: Paths) -> dict:
         history_file.unlink(missing_ok=True)
     elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
         write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
+    tracker = stage_tracker(JsonlTracker(history_file))  # + this stage's MLflow run, when tracking is on
+    if checkpoint is not None and history_file.is_file():  # the MLflow run gets the whole run's history
+        for row in read_jsonl(history_file):
+            stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
     _prune_traces(paths.reports / TRACE_DIR, resumed)
     trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        ref_policy=load_policy(paths.sft_model), tracker=JsonlTracker(history_file),
+                        ref_policy=load_policy(paths.sft_model), tracker=tracker,
                         checkpoint_dir=paths.checkpoints,
                         on_update=_trace_writer(params, tokenizer, paths.reports / TRACE_DIR))
     if checkpoint is not None:
