@@ -10,8 +10,6 @@ import typer
 
 from tasks.models_cli import app as models_app
 
-from tasks.models_cli import app as models_app
-
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
@@ -161,9 +159,6 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
 
         Console().print(Markdown(summary_markdown(report)))
     raise typer.Exit(0 if report["passed"] else 1)
-
-
-app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
 
 
 app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
