@@ -24,8 +24,10 @@ GoldFn = Callable[[str, str, bool], float]
 
 @torch.no_grad()
 def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, response_length: int,
-                   pad_token_id: int, stop_token_id: int | None, batch_size: int = 64) -> Rollout:
-    """Greedy completions as a Rollout (log-prob fields are zeros: evaluation needs none)."""
+                   pad_token_id: int, stop_token_id: int | None, batch_size: int = 64,
+                   on_batch: Callable[[int], None] | None = None) -> Rollout:
+    """Greedy completions as a Rollout (log-prob fields are zeros: evaluation needs none); `on_batch(n)`
+    after each batch of n prompts (a progress bar)."""
     policy.eval()
     device = next(policy.parameters()).device
     parts = []
@@ -44,6 +46,8 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
         parts.append(Rollout(queries=queries.cpu(), query_mask=query_mask.cpu(), responses=responses.cpu(),
                              response_mask=response_mask.cpu(), logprobs=zeros.cpu(), ref_logprobs=zeros.cpu(),
                              contains_stop=contains_stop.cpu()))
+        if on_batch is not None:
+            on_batch(len(responses))
     return _pad_and_cat(parts, pad_token_id)
 
 
@@ -95,11 +99,13 @@ class EvalReport:
 
 def evaluate(policy: nn.Module, reference: nn.Module, tokenizer, prompts: Sequence[str], *, scorer: Scorer,
              response_length: int, temperature: float, gold: GoldFn | None = None,
-             batch_size: int = 64) -> EvalReport:
-    """Greedy completions of `policy` and `reference` on `prompts`, scored by `scorer` (and `gold`)."""
+             batch_size: int = 64, on_batch: Callable[[int], None] | None = None) -> EvalReport:
+    """Greedy completions of `policy` and `reference` on `prompts`, scored by `scorer` (and `gold`);
+    `on_batch(n)` after each generation batch (2 * len(prompts) in all)."""
     pad, stop = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    kwargs = dict(response_length=response_length, pad_token_id=pad, stop_token_id=stop, batch_size=batch_size)
+    kwargs = dict(response_length=response_length, pad_token_id=pad, stop_token_id=stop, batch_size=batch_size,
+                  on_batch=on_batch)
     policy_batch, ref_batch = greedy_rollout(policy, prompt_ids, **kwargs), greedy_rollout(reference, prompt_ids, **kwargs)
     texts = {"policy": decode_responses(tokenizer, policy_batch), "ref": decode_responses(tokenizer, ref_batch)}
     rm = {"policy": scorer(policy_batch).cpu(), "ref": scorer(ref_batch).cpu()}

@@ -68,20 +68,60 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
 
 
 @app.command()
-def run(profile: Profile = None, overrides: Overrides = None) -> None:
-    """Run the whole pipeline, stage after stage."""
-    from tasks.inspect_rm import InspectionFailed
-    from tasks.stages import STAGES, run_stage
-    from tasks.validate import ValidationFailed
+def run(profile: Profile = None, overrides: Overrides = None,
+        wait: Annotated[float, typer.Option(min=0, help="Seconds to wait while another run holds this "
+                                                        "workspace, then give up.")] = 600.0) -> None:
+    """Run the whole pipeline as the Prefect flow rlhf-pipeline: each dvc.yaml stage through DVC.
 
-    for name in STAGES:
-        typer.echo(f"== {name}")
-        try:
-            metrics = run_stage(name, ".", profile, overrides or [])
-        except (ValidationFailed, InspectionFailed) as err:
-            typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(1) from None
-        typer.echo(json.dumps(metrics, sort_keys=True))
+    Overrides are written into params.yaml (as `dvc exp run -S` does) and stay there. With no
+    PREFECT_API_URL the flow runs on a temporary local Prefect server whose state is kept in .prefect/.
+    """
+    from pathlib import Path
+
+    from flows.prefect_env import use_local_prefect
+    from tasks.params import ParamsError, load_params
+    from tasks.progress import quiet_libraries
+
+    root = Path.cwd()
+    try:  # fail on a bad key at once, before Prefect starts
+        profile = load_params(root, profile, overrides or []).base.profile
+    except ParamsError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    use_local_prefect(root)
+    quiet_libraries()
+    from flows.pipeline import rlhf_pipeline
+    from tasks.mlflow_tracking import tracking_enabled, tracking_uri
+    from tasks.progress import print_run_summary
+
+    state = rlhf_pipeline(profile=profile, overrides=overrides or [], wait_for_lock_s=wait, return_state=True)
+    if not state.is_completed():
+        typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
+        raise typer.Exit(1)
+    print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None)
+
+
+@app.command()
+def serve() -> None:
+    """Serve the deployments in prefect.yaml (manual, and nightly on a cron) against a Prefect server.
+
+    Start one first (`prefect server start`) and set PREFECT_API_URL (http://127.0.0.1:4200/api). Runs
+    triggered from the UI then execute here, one at a time, in this workspace.
+    """
+    import os
+    from pathlib import Path
+
+    if not os.environ.get("PREFECT_API_URL"):
+        typer.echo("error: PREFECT_API_URL is not set. Start a server with `prefect server start` and "
+                   "`export PREFECT_API_URL=http://127.0.0.1:4200/api`, then run `rlhf serve` again.", err=True)
+        raise typer.Exit(2)
+    from flows.deployments import serve_deployments
+    from flows.prefect_env import use_local_prefect
+    from tasks.progress import quiet_libraries
+
+    use_local_prefect(Path.cwd())
+    quiet_libraries()
+    serve_deployments(Path.cwd())
 
 
 class Kind(str, Enum):
@@ -166,6 +206,10 @@ app.add_typer(models_app, name="models")  # rlhf models list | compare | promote
 
 def main() -> None:
     from transformers.utils import logging as hf_logging
+
+    from tasks.progress import quiet_libraries
+
+    quiet_libraries()
 
     hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the pipeline's own output
     app()

@@ -11,6 +11,7 @@ from tasks.io import read_jsonl, write_json, write_jsonl
 from tasks.params import Params
 from tasks.paths import Paths
 from tasks.plots import plot_evaluation
+from tasks.progress import count_callback, progress_bar
 from tasks.train import HISTORY
 
 
@@ -18,10 +19,12 @@ def run(params: Params, paths: Paths) -> dict:
     cfg = params.evaluate
     tokenizer = load_tokenizer(paths.policy)
     prompts = [row["prompt"] for row in read_jsonl(paths.split("prompts_eval"))[:cfg.num_prompts]]
-    report = evaluate(load_policy(paths.policy), load_policy(paths.sft_model), tokenizer, prompts,
-                      scorer=RewardModelScorer(load_scorer_model(paths.reward_model), batch_size=cfg.batch_size),
-                      response_length=cfg.response_length, temperature=params.train.temperature,
-                      gold=gold_fn(params), batch_size=cfg.batch_size)
+    with progress_bar("evaluate", total=2 * len(prompts)) as update:  # policy, then reference completions
+        report = evaluate(load_policy(paths.policy), load_policy(paths.sft_model), tokenizer, prompts,
+                          scorer=RewardModelScorer(load_scorer_model(paths.reward_model), batch_size=cfg.batch_size),
+                          response_length=cfg.response_length, temperature=params.train.temperature,
+                          gold=gold_fn(params), batch_size=cfg.batch_size,
+                          on_batch=count_callback(update, "completions"))
     out = paths.reports / "eval"
     write_jsonl(out / "completions.jsonl", report.rows)
     history_file = paths.reports / HISTORY

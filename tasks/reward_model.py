@@ -13,6 +13,7 @@ from tasks.common import save_model, tiny_reward_model
 from tasks.io import read_jsonl, write_json
 from tasks.params import Params
 from tasks.paths import Paths
+from tasks.progress import epoch_callback, progress_bar
 
 
 def run(params: Params, paths: Paths) -> dict:
@@ -28,7 +29,9 @@ def run(params: Params, paths: Paths) -> dict:
             model = reward_model_from_policy(load_policy(paths.sft_model), seed=params.base.seed)
         else:
             model = tiny_reward_model(params, tokenizer)
-        result = train_reward_model(rm_cfg, model, tokenizer, read_jsonl(paths.split("prefs_train")), eval_rows)
+        with progress_bar("reward model", total=rm_cfg.epochs) as update:
+            result = train_reward_model(rm_cfg, model, tokenizer, read_jsonl(paths.split("prefs_train")), eval_rows,
+                                        progress=epoch_callback(update, rm_cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
     metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
     save_model(model, tokenizer, paths.reward_model)

@@ -8,6 +8,7 @@ from tasks.common import gold_fn, save_model, tiny_policy
 from tasks.io import read_jsonl, write_json
 from tasks.params import Params
 from tasks.paths import Paths
+from tasks.progress import epoch_callback, progress_bar
 
 
 def run(params: Params, paths: Paths) -> dict:
@@ -19,8 +20,9 @@ def run(params: Params, paths: Paths) -> dict:
         model, metrics = load_policy(cfg.pretrained), {}
     else:
         model = load_policy(cfg.base_model) if cfg.base_model else tiny_policy(params, tokenizer)
-        result = train_sft(params.sft_config(), model, tokenizer,
-                           read_jsonl(paths.split("sft_train")), eval_rows)
+        with progress_bar("sft", total=cfg.epochs) as update:
+            result = train_sft(params.sft_config(), model, tokenizer, read_jsonl(paths.split("sft_train")),
+                               eval_rows, progress=epoch_callback(update, cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
     metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
                                 eval_rows=eval_rows, gold=gold_fn(params), cfg=cfg))

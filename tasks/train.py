@@ -22,6 +22,7 @@ from tasks.io import read_jsonl, write_json, write_jsonl
 from tasks.mlflow_tracking import stage_tracker
 from tasks.params import Params
 from tasks.paths import Paths
+from tasks.progress import ProgressTracker, progress_bar
 
 HISTORY = "train_history.jsonl"
 TRACE_DIR = "trace"
@@ -94,11 +95,11 @@ def run(params: Params, paths: Paths) -> dict:
         history_file.unlink(missing_ok=True)
     elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
         write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
+    _prune_traces(paths.reports / TRACE_DIR, resumed)
     tracker = stage_tracker(JsonlTracker(history_file))  # + this stage's MLflow run, when tracking is on
     if checkpoint is not None and history_file.is_file():  # the MLflow run gets the whole run's history
         for row in read_jsonl(history_file):
             stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
-    _prune_traces(paths.reports / TRACE_DIR, resumed)
     trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
                         ref_policy=load_policy(paths.sft_model), tracker=tracker,
@@ -106,7 +107,10 @@ def run(params: Params, paths: Paths) -> dict:
                         on_update=_trace_writer(params, tokenizer, paths.reports / TRACE_DIR))
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
-    trainer.train()
+    total = trainer.plan.num_updates
+    with progress_bar("train", total=total, completed=resumed) as update:
+        trainer.tracker = ProgressTracker(trainer.tracker, update, total)  # the bar moves on every logged update
+        trainer.train()
     save_model(trainer.unwrapped.policy, tokenizer, paths.policy)
     last = read_jsonl(history_file)[-1] if history_file.is_file() else {}  # the whole run's, resumed or not
     metrics = {k: v for k, v in last.items() if not k.startswith("time/")}

@@ -1,0 +1,39 @@
+"""`rlhf serve`: the deployments prefect.yaml lists (a manual one and a nightly cron), served from this
+process against the Prefect server at PREFECT_API_URL. One file describes them for both `rlhf serve` and
+`prefect deploy`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+PREFECT_YAML = "prefect.yaml"
+
+
+def deployment_specs(root: str | Path) -> list[dict]:
+    path = Path(root) / PREFECT_YAML
+    specs = (yaml.safe_load(path.read_text()) or {}).get("deployments") or []
+    if not specs:
+        raise ValueError(f"{path}: no deployments listed")
+    return specs
+
+
+def runner_deployments(root: str | Path) -> list:
+    from prefect.schedules import Cron
+
+    from flows.pipeline import rlhf_pipeline
+
+    return [rlhf_pipeline.to_deployment(
+        name=spec["name"], description=spec.get("description"), tags=spec.get("tags"),
+        parameters=spec.get("parameters") or {}, concurrency_limit=spec.get("concurrency_limit"),
+        schedules=[Cron(s["cron"], timezone=s.get("timezone"), active=s.get("active", True))
+                   for s in spec.get("schedules") or []])
+        for spec in deployment_specs(root)]
+
+
+def serve_deployments(root: str | Path) -> None:
+    """Blocks, running each triggered or scheduled flow run in a subprocess, one at a time."""
+    from prefect import serve
+
+    serve(*runner_deployments(root), limit=1)

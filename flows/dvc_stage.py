@@ -1,0 +1,123 @@
+"""Run one stage of dvc.yaml through DVC, in a subprocess, the way `dvc repro --single-item NAME` does.
+
+A Prefect run and a `dvc repro` thus share the same dvc.lock, cache and skipping of unchanged stages. The
+subprocess (`python -m flows.dvc_stage NAME RESULT_JSON`) calls DVC's API rather than its CLI so that it
+can say whether the stage ran or was skipped without parsing messages. Its output (the stage's own, with
+its progress bars) is relayed to this process's stdout as it comes and kept in a log file, whose tail
+names the failure when the stage fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import yaml
+
+# Failures a retry can fix: DVC's lock held by a manual `dvc repro`, the OOM killer, a flaky hub download.
+TRANSIENT_MARKERS = ("Unable to acquire lock", "exited with -9", "exited with 137", "ConnectionError",
+                     "Connection reset", "Read timed out", "Temporary failure in name resolution",
+                     "503 Server Error", "429 Client Error")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@dataclass(frozen=True)
+class StageRun:
+    name: str
+    returncode: int
+    ran: bool  # False: DVC found it unchanged and skipped it
+    seconds: float
+    log: Path
+
+
+def stage_names(root: str | Path) -> list[str]:
+    """The stages of dvc.yaml in the order the file lists them."""
+    path = Path(root) / "dvc.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run the pipeline from the repository root")
+    return list((yaml.safe_load(path.read_text()) or {}).get("stages", {}))
+
+
+def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
+    """The environment of a stage subprocess: this venv's `rlhf` first on PATH, output unbuffered."""
+    env = {**os.environ, **extra, "DVC_NO_ANALYTICS": "1", "PYTHONUNBUFFERED": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if terminal:  # the relay is a pipe: tell rich the far end is a terminal so progress bars stay live
+        env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1", COLUMNS=str(shutil.get_terminal_size().columns))
+    return env
+
+
+def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
+                echo: BinaryIO | None = None) -> StageRun:
+    """Reproduce stage `name` (if changed) with `root` as the working directory; output to `log` (+ `echo`)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd, result_file = tempfile.mkstemp(prefix=f"rlhf-{name}-", suffix=".json")
+    os.close(fd)
+    start = time.monotonic()
+    try:
+        with log.open("wb") as out, subprocess.Popen(
+                [sys.executable, "-m", "flows.dvc_stage", name, result_file], cwd=root, env=dict(env),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # read1: relay redraws as they come
+                out.write(chunk)
+                if echo is not None:
+                    echo.write(chunk)
+                    echo.flush()
+        text = Path(result_file).read_text()
+        ran = bool(json.loads(text)["ran"]) if text else False
+    finally:
+        Path(result_file).unlink(missing_ok=True)
+    return StageRun(name, proc.returncode, ran, time.monotonic() - start, log)
+
+
+def clean_lines(raw: str) -> list[str]:
+    """Text lines of a terminal log: ANSI codes dropped, each line as its last redraw left it."""
+    lines = (_ANSI.sub("", line).rsplit("\r", 1)[-1].rstrip() for line in raw.split("\n"))
+    return [line for line in lines if line]
+
+
+def log_tail(log: Path, lines: int = 25) -> str:
+    return "\n".join(clean_lines(log.read_text(errors="replace"))[-lines:]) if log.is_file() else ""
+
+
+def is_transient(text: str) -> bool:
+    return any(marker in text for marker in TRANSIENT_MARKERS)
+
+
+def _error_chain(err: BaseException) -> str:
+    parts = []
+    while err is not None:
+        parts.append(str(err))
+        err = err.__cause__ or err.__context__
+    return ": ".join(dict.fromkeys(p for p in parts if p))
+
+
+def main(argv: list[str]) -> int:
+    """`python -m flows.dvc_stage NAME RESULT_JSON`: reproduce NAME; write {"ran": bool} to RESULT_JSON."""
+    name, result_file = argv
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(".") as repo:
+            repo.scm_context.quiet = True  # no "git add dvc.lock" hint after every stage
+            ran = repo.reproduce(name, single_item=True)
+    except DvcException as err:
+        print(f"dvc: {_error_chain(err)}", file=sys.stderr)
+        return 1
+    Path(result_file).write_text(json.dumps({"ran": bool(ran)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

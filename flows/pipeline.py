@@ -1,0 +1,139 @@
+"""The Prefect flow `rlhf-pipeline`: every stage of dvc.yaml, in its order, each a task that runs it via DVC.
+
+Typed parameters (the UI shows them as a form): a profile, `section.key=value` overrides, and how long to
+wait for another run that holds the workspace. One run:
+
+1. takes the workspace lock (flows/lock.py), so two runs never interleave in one workspace;
+2. validates the overrides and writes them into params.yaml as `dvc exp run -S` does (flows/overrides.py);
+   a bad key fails here, before anything runs, naming the key;
+3. opens the MLflow pipeline run (tasks/mlflow_tracking.py) and records the overrides: MLflow params, a
+   Prefect artifact, and reports/runs/<time>-<run>.json;
+4. runs each stage through DVC (flows/dvc_stage.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
+   the pipeline run and unchanged stages are skipped exactly as `dvc repro` skips them;
+5. publishes what the stages left: validation summary, reward-model inspection, evaluation table, and a
+   link to the MLflow run.
+
+A failed stage fails the run with a message naming the stage and the tail of its log. Only failures a
+retry can fix (DVC's lock held by a manual `dvc repro`, the OOM killer, network) are retried.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from prefect.states import Failed, State
+
+from flows import reports
+from flows.dvc_stage import is_transient, log_tail, repro_stage, stage_env, stage_names
+from flows.lock import WorkspaceBusy, workspace_lock
+from flows.overrides import apply_overrides, write_run_record
+from tasks import mlflow_tracking
+from tasks.params import ParamsError
+
+LOGS_DIR = "reports/logs"
+
+
+def _retry_if_transient(task, task_run, state: State) -> bool:
+    return is_transient(state.message or "")
+
+
+# DVC is the cache (it skips unchanged stages): Prefect caches nothing and persists no result.
+@task(name="dvc-stage", task_run_name="{name}", retries=2, retry_delay_seconds=[15, 60],
+      retry_condition_fn=_retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
+def dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State:
+    """`dvc repro --single-item NAME`: runs the stage if its params, deps or outs changed, else skips it."""
+    logger = get_run_logger()
+    log = Path(root) / LOGS_DIR / f"{name}.log"
+    logger.info("stage %s: log %s", name, log)
+    terminal = sys.stdout.isatty()
+    env = stage_env({mlflow_tracking.PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}, terminal)
+    result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None))
+    if result.returncode != 0:
+        # A returned Failed state (not an exception): the message is the story, no engine traceback.
+        return Failed(message=f"stage {name!r} failed (exit status {result.returncode}) after "
+                              f"{result.seconds:.0f} s; last lines of {log}:\n{log_tail(log)}")
+    logger.info("stage %s: %s", name, f"ran in {result.seconds:.1f} s" if result.ran else "unchanged, skipped")
+    return {"stage": name, "ran": result.ran, "seconds": round(result.seconds, 1)}
+
+
+def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
+    """Artifacts for what the stages this run reached have left in the workspace."""
+    for key, (stage, _) in reports.STAGE_REPORTS.items():
+        text = reports.stage_report(root, key) if stage in reached else None
+        if text:
+            create_markdown_artifact(text, key=key, description=f"{stage} stage: {reports.STAGE_REPORTS[key][1]}")
+    text = reports.evaluation(root) if "evaluate" in reached else None
+    if text:
+        create_markdown_artifact(text, key="rlhf-evaluation", description="metrics/eval.json + first completions")
+    if mlflow_run_id:
+        url = mlflow_tracking.run_url(mlflow_run_id, root)
+        if url:
+            create_link_artifact(url, link_text=f"MLflow run {mlflow_run_id}", key="rlhf-mlflow-run")
+        else:
+            create_markdown_artifact(reports.mlflow_run(mlflow_run_id, mlflow_tracking.tracking_uri(root), None),
+                                     key="rlhf-mlflow-run")
+
+
+def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[dict], State | None, set[str]]:
+    """Each stage in order until one fails: (results, the failed state or None, stages reached)."""
+    results, reached = [], set()
+    for name in names:
+        reached.add(name)
+        state = dvc_stage(name, str(root), parent_run_id, return_state=True)
+        if state.is_failed():
+            return results, state, reached
+        results.append(state.result())
+    return results, None, reached
+
+
+def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
+    logger = get_run_logger()
+    names = stage_names(root)  # dvc.yaml's order; FileNotFoundError outside the repo root
+    changes = apply_overrides(root, profile, overrides)  # ParamsError before anything runs
+    for key, old, new in changes:
+        logger.info("params.yaml: %s %r -> %r", key, old, new)
+    parent = mlflow_tracking.start_pipeline_run(root, profile, overrides)  # '' when tracking is off
+    record = {"flow_run_id": flow_run.get_id() or "local", "flow_run_name": flow_run.get_name(),
+              "profile": profile, "overrides": overrides, "params_changed": [list(c) for c in changes],
+              "mlflow_run_id": parent, "status": "RUNNING"}
+    record_path = write_run_record(root, record)
+    create_markdown_artifact(reports.run_parameters(profile, overrides, changes, record_path.relative_to(root)),
+                             key="rlhf-run-parameters", description="profile, overrides, params.yaml changes")
+    results, failed, status = [], None, "FAILED"  # FAILED unless the stages get through
+    try:
+        results, failed, reached = _run_stages(root, names, parent)
+        _publish_reports(root, reached, parent)
+        status = "FAILED" if failed is not None else "FINISHED"
+    finally:
+        mlflow_tracking.end_pipeline_run(parent, status, root)
+        record.update(status=status, stages=results, failure=failed.message if failed is not None else None)
+        write_run_record(root, record)
+    if failed is not None:
+        return Failed(message=failed.message)
+    return {**record, "record": str(record_path)}
+
+
+@flow(name="rlhf-pipeline", log_prints=False)
+def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B006 (Prefect validates a copy)
+                  wait_for_lock_s: float = 600.0) -> dict | State:
+    """The RLHF pipeline: every stage of dvc.yaml, in order, through DVC.
+
+    Args:
+        profile: `demo` (built-in world, tiny models, CPU) or a profiles/NAME.yaml.
+        overrides: `section.key=value` items, e.g. `train.kl_coef=0.1`; kept in params.yaml after the run.
+        wait_for_lock_s: how long to wait while another run holds this workspace, then fail.
+    """
+    root = Path.cwd()
+    run = f"flow run {flow_run.get_name() or ''} ({flow_run.get_id() or 'local'})"
+    try:
+        with workspace_lock(root, wait_for_lock_s, run=run):
+            return _run_locked(root, profile, list(overrides))
+    except (WorkspaceBusy, ParamsError, FileNotFoundError, mlflow_tracking.TrackingError) as err:
+        get_run_logger().error("%s", err)
+        return Failed(message=str(err))
+

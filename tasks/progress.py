@@ -1,0 +1,177 @@
+"""What the person running the pipeline sees: progress bars with ETA inside the stages, quiet library logs,
+and the summary at the end of `rlhf run`.
+
+rlhf_core knows nothing of rich: the stages hand it plain callbacks (`progress(step, logs)` of SFT and
+reward-model training, `on_batch(n)` of evaluation) or wrap its tracker (`ProgressTracker` for RL updates).
+Bars go to stderr, keeping stdout for the stage's JSON result. When stderr is not a terminal (a Prefect
+worker's log), rich prints each bar once, as it finished, instead of redrawing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.tracking import NullTracker, Tracker
+
+NOISY_LOGGERS = ("transformers", "accelerate", "torch", "datasets", "huggingface_hub", "urllib3", "filelock",
+                 "git", "alembic", "mlflow", "httpx", "great_expectations", "matplotlib", "PIL")
+
+
+def quiet_libraries() -> None:
+    """Only warnings and errors from libraries: the stage's own lines and bars stay readable."""
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _columns():
+    from rich.progress import (
+        BarColumn,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return (TextColumn("[bold]{task.description:<14}"), BarColumn(bar_width=30), TaskProgressColumn(),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+
+
+@contextmanager
+def progress_bar(description: str, total: float, completed: float = 0) -> Iterator[Callable[..., None]]:
+    """A bar with elapsed time and ETA; yields `update(completed, info="")`."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    if not console.is_terminal:  # a log file: printed once at the end, at a width that fits the figures
+        console = Console(stderr=True, width=140)
+    with Progress(*_columns(), console=console, refresh_per_second=2) as progress:
+        bar = progress.add_task(description, total=total, completed=completed, info="")
+
+        def update(done: float, info: str = "") -> None:
+            progress.update(bar, completed=done, info=info)
+
+        yield update
+
+
+def _figures(logs: Mapping[str, float], keys: Mapping[str, str]) -> str:
+    """'score 0.41  kl 0.02' from the logged metrics `keys` names (metric -> label)."""
+    return "  ".join(f"{label} {logs[k]:.3g}" for k, label in keys.items() if k in logs)
+
+
+class ProgressTracker(NullTracker):
+    """Moves a bar on every RL update (step = updates done so far), then hands the metrics on."""
+
+    KEYS = {"objective/scores": "score", "objective/kl": "kl", "val/response_length": "length"}
+
+    def __init__(self, inner: Tracker, update: Callable[..., None], total: int):
+        self.inner, self.update, self.total = inner, update, total
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        self.inner.log_params(params)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.update(step, f"update {step}/{self.total}  {_figures(metrics, self.KEYS)}")
+        self.inner.log_metrics(metrics, step)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self.inner.log_artifact(path, artifact_path)
+
+
+def epoch_callback(update: Callable[..., None], epochs: int) -> Callable[[int, Mapping[str, float]], None]:
+    """For SFT / reward-model training: the bar counts epochs (fractional: the loop reports `epoch`)."""
+    def progress(step: int, logs: Mapping[str, float]) -> None:
+        info = _figures(logs, {"train/loss": "loss", "eval/loss": "eval loss", "eval/accuracy": "eval acc"})
+        update(logs.get("epoch", 0.0), f"epoch {logs.get('epoch', 0.0):.2f}/{epochs}  {info}")
+    return progress
+
+
+def count_callback(update: Callable[..., None], unit: str) -> Callable[[int], None]:
+    """For batched loops that report how many items each batch did (evaluation's generation)."""
+    done = 0
+
+    def on_batch(n: int) -> None:
+        nonlocal done
+        done += n
+        update(done, f"{done} {unit}")
+    return on_batch
+
+
+# ------------------------------------------------------------------- the end of `rlhf run`
+
+SUMMARY_METRICS = (("win_rate_rm", "win rate vs SFT (reward model)"), ("win_rate_gold", "win rate vs SFT (gold)"),
+                   ("mean_score_rm", "reward-model score"), ("ref_mean_score_rm", "  SFT reference"),
+                   ("mean_score_gold", "gold score"), ("ref_mean_score_gold", "  SFT reference"),
+                   ("mean_kl", "KL to SFT"), ("eos_rate", "EOS rate"))
+
+
+def _read(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def registry_line(register: Mapping[str, Any]) -> str:
+    """metrics/register.json in one line: which version, champion or not, and why."""
+    if not register.get("registered"):
+        return f"nothing registered ({register.get('reason', 'no reason given')})"
+    verdict = "promoted to champion" if register.get("promoted") else "challenger, not promoted"
+    return f"{register.get('model_name', 'rlhf-policy')} v{register.get('version')}: {verdict}; {register.get('reason', '')}"
+
+
+def prefect_ui_hint(flow_run_id: str | None) -> str:
+    api = os.environ.get("PREFECT_API_URL", "")
+    if api:
+        ui = api.rstrip("/").removesuffix("/api")
+        return f"{ui}/runs/flow-run/{flow_run_id}" if flow_run_id else ui
+    home = os.environ.get("PREFECT_HOME", ".prefect")
+    return f"PREFECT_HOME={home} prefect server start, then http://127.0.0.1:4200"
+
+
+def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | None) -> None:
+    """Stages, headline metrics, the registry's verdict, and where to look next."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    stages = Table(title="stages", title_justify="left")
+    for column in ("stage", "", "seconds"):
+        stages.add_column(column)
+    for s in result.get("stages", []):
+        stages.add_row(s["stage"], "ran" if s["ran"] else "[dim]unchanged, skipped[/dim]", f"{s['seconds']:.1f}")
+    console.print(stages)
+
+    evaluation = _read(root / "metrics" / "eval.json")
+    if evaluation:
+        table = Table(title="evaluation (metrics/eval.json)", title_justify="left")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, label in SUMMARY_METRICS:
+            if key in evaluation:
+                table.add_row(label, f"{evaluation[key]:.3f}")
+        console.print(table)
+    register = _read(root / "metrics" / "register.json")
+    if register:
+        console.print(f"[bold]registry:[/bold] {registry_line(register)}")
+    if result.get("params_changed"):
+        changed = ", ".join(f"{k}={new!r}" for k, _, new in result["params_changed"])
+        console.print(f"[bold]params.yaml[/bold] now has {changed} (kept, as `dvc exp run` does; "
+                      "`git diff params.yaml` shows it)")
+    console.print("[bold]where to look[/bold]")
+    if mlflow_uri and result.get("mlflow_run_id"):
+        console.print(f"  MLflow:  mlflow ui --backend-store-uri {mlflow_uri}   (run {result['mlflow_run_id']})")
+    console.print(f"  Prefect: {prefect_ui_hint(result.get('flow_run_id'))}")
+    console.print(f"  reports: {root / 'reports'}/ (eval/, logs/, runs/)   metrics: {root / 'metrics'}/")

@@ -1,0 +1,264 @@
+"""The Prefect flow over DVC, on a real local Prefect server on loopback.
+
+The deployment is served by `rlhf serve` in a subprocess and a run is triggered through the API as the UI
+does (`run_deployment` with parameters); the shrunken pipeline runs in a temp git + DVC repo. Also: the
+workspace lock, overrides validated before anything runs and recorded, a failing stage named with its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from test_dvc import sh
+from test_pipeline import TINY
+
+from flows.dvc_stage import clean_lines, is_transient, log_tail, repro_stage, stage_env, stage_names
+from flows.lock import WorkspaceBusy, workspace_lock
+from flows.overrides import apply_overrides
+from tasks.params import ParamsError, deep_merge, parse_override
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+STARTUP_S = 180  # a bound on waiting for a server to answer, not a timing assertion
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def git_dvc_repo(path: Path) -> Path:
+    sh("git", "init", "-q", cwd=path)
+    sh("dvc", "init", "-q", cwd=path)
+    sh("git", "add", "-A", cwd=path)
+    sh("git", "commit", "-qm", "init", cwd=path)
+    return path
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RLHF_", "MLFLOW_TRACKING"))}
+    return {**env, "PATH": f"{BIN}{os.pathsep}{env['PATH']}", "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", **extra}
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the API URL."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    url = f"http://127.0.0.1:{free_port()}/api"
+    port = url.rsplit(":", 1)[1].split("/")[0]
+    log = (home / "server.log").open("w")
+    server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", port,
+                               "--no-scheduler", "--no-ui"], env=base_env(PREFECT_HOME=str(home)),
+                              stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
+        time.sleep(1)
+    yield url
+    server.terminate()
+    server.wait(timeout=60)
+
+
+@pytest.fixture
+def in_process_api(prefect_api):
+    """Run flows in this process against the test server."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
+        yield prefect_api
+
+
+@pytest.fixture
+def pipeline_repo(tmp_path, mlflow_db_template):
+    """The repo's pipeline on the TINY world in a fresh git + DVC repo, with an MLflow store ready."""
+    for item in ("dvc.yaml", ".gitignore", "prefect.yaml"):
+        shutil.copy(REPO / item, tmp_path / item)
+    for package in ("rlhf_core", "tasks", "flows"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for item in TINY:
+        params = deep_merge(params, parse_override(item))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
+    return git_dvc_repo(tmp_path)
+
+
+@pytest.fixture
+def failing_repo(tmp_path):
+    """A two-stage pipeline whose second stage fails, for the failure path without any model."""
+    stages = {"ok": {"cmd": "echo fine > ok.txt", "outs": ["ok.txt"]},
+              "broken": {"cmd": "python -c \"import sys; print('the reward model is on fire'); sys.exit(3)\"",
+                         "deps": ["ok.txt"], "outs": ["never.txt"]}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (tmp_path / "params.yaml").write_text("base:\n  profile: demo  # kept\n  seed: 0\n")
+    return git_dvc_repo(tmp_path)
+
+
+def wait_for_deployment(name: str, serve: subprocess.Popen, log: Path):
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + STARTUP_S
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                return client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(1)
+
+
+@pytest.mark.slow
+def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_process_api, tmp_path_factory):
+    from mlflow import MlflowClient
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = base_env(PREFECT_API_URL=in_process_api, PREFECT_HOME=str(log.parent))
+    with log.open("w") as out:
+        serve = subprocess.Popen([BIN / "rlhf", "serve"], cwd=pipeline_repo, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    try:
+        wait_for_deployment("rlhf-pipeline/manual", serve, log)
+        nightly = wait_for_deployment("rlhf-pipeline/nightly", serve, log)
+        assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+        run = run_deployment("rlhf-pipeline/manual", parameters={"overrides": ["train.kl_coef=0.07"]},
+                             timeout=1200, poll_interval=3)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+    assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-4000:]}"
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    by_key = {a.key: a for a in artifacts}
+    assert {"rlhf-run-parameters", "rlhf-validation", "rlhf-inspection", "rlhf-evaluation",
+            "rlhf-mlflow-run"} <= set(by_key), sorted(by_key)
+    assert "train.kl_coef=0.07" in by_key["rlhf-run-parameters"].data
+    assert "win_rate_rm" in by_key["rlhf-evaluation"].data and "| prompt |" in by_key["rlhf-evaluation"].data
+    parent_id = json.loads(next((pipeline_repo / "reports" / "runs").glob("*.json")).read_text())["mlflow_run_id"]
+    assert f"/runs/{parent_id}" in by_key["rlhf-mlflow-run"].data  # a link into the MLflow UI
+
+    # overrides: kept in params.yaml (so `dvc status` is clean), recorded in reports/runs/ and in MLflow
+    assert yaml.safe_load((pipeline_repo / "params.yaml").read_text())["train"]["kl_coef"] == 0.07
+    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=pipeline_repo)
+    [record_file] = (pipeline_repo / "reports" / "runs").glob("*.json")
+    record = json.loads(record_file.read_text())
+    assert record["status"] == "FINISHED" and record["overrides"] == ["train.kl_coef=0.07"]
+    assert [s["stage"] for s in record["stages"]] == stage_names(pipeline_repo)
+    assert all(s["ran"] for s in record["stages"])
+    parent = MlflowClient(f"sqlite:///{pipeline_repo / 'mlflow.db'}").get_run(record["mlflow_run_id"])
+    assert "train.kl_coef=0.07" in parent.data.params["overrides"]
+    assert parent.data.params["train.kl_coef"] == "0.07"
+
+    # `rlhf run` as in a fresh clone (no PREFECT_API_URL: a temporary server): every stage is unchanged
+    proc = subprocess.run([BIN / "rlhf", "run", "--set", "train.kl_coef=0.07"], cwd=pipeline_repo,
+                          env=base_env(COLUMNS="200"), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    second = json.loads(max((pipeline_repo / "reports" / "runs").glob("*.json")).read_text())
+    assert second["flow_run_id"] != record["flow_run_id"] and not any(s["ran"] for s in second["stages"])
+    assert "unchanged, skipped" in proc.stdout, proc.stdout
+    assert "mlflow ui --backend-store-uri sqlite:///" in proc.stdout and "win rate vs SFT" in proc.stdout
+    assert (pipeline_repo / ".prefect").is_dir(), "the temporary server keeps its state under the repo"
+
+
+def test_bad_override_fails_before_anything_runs(failing_repo, in_process_api, monkeypatch):
+    from flows.pipeline import rlhf_pipeline
+
+    monkeypatch.chdir(failing_repo)
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    before = (failing_repo / "params.yaml").read_text()
+    state = rlhf_pipeline(overrides=["train.kl_coeff=0.1"], return_state=True)
+    assert state.is_failed() and "train.kl_coeff: unknown key; allowed: " in state.message
+    assert (failing_repo / "params.yaml").read_text() == before
+    assert not (failing_repo / "reports").exists(), "no stage ran"
+
+
+def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, monkeypatch):
+    from flows.pipeline import rlhf_pipeline
+
+    monkeypatch.chdir(failing_repo)
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    state = rlhf_pipeline(overrides=["base.seed=3"], return_state=True)
+    assert state.is_failed()
+    assert "stage 'broken' failed" in state.message and "the reward model is on fire" in state.message
+    assert (failing_repo / "ok.txt").is_file(), "the stage before it ran"
+    [record] = [json.loads(p.read_text()) for p in (failing_repo / "reports" / "runs").glob("*.json")]
+    assert record["status"] == "FAILED" and record["overrides"] == ["base.seed=3"]
+    assert [s["stage"] for s in record["stages"]] == ["ok"] and "on fire" in record["failure"]
+    params = (failing_repo / "params.yaml").read_text()
+    assert "seed: 3" in params and "# kept" in params, "written like `dvc exp run -S`: comments kept"
+
+
+def test_second_run_refuses_naming_the_holder(failing_repo, in_process_api, monkeypatch):
+    from flows.pipeline import rlhf_pipeline
+
+    monkeypatch.chdir(failing_repo)
+    with workspace_lock(failing_repo, wait_s=0, run="the first run"):
+        state = rlhf_pipeline(wait_for_lock_s=0.5, return_state=True)
+    assert state.is_failed()
+    assert f"pid {os.getpid()}" in state.message and "the first run" in state.message
+    assert "waited 0.5 s" in state.message
+    assert not (failing_repo / "reports").exists(), "the refused run touched nothing"
+
+
+def test_lock_waits_for_the_holder_to_finish(tmp_path):
+    held = threading.Event()
+
+    def first_run():
+        with workspace_lock(tmp_path, wait_s=0):
+            held.set()
+            time.sleep(1)
+
+    thread = threading.Thread(target=first_run)
+    thread.start()
+    held.wait()
+    with pytest.raises(WorkspaceBusy, match="busy"):
+        with workspace_lock(tmp_path, wait_s=0):
+            pass
+    with workspace_lock(tmp_path, wait_s=60):  # waits for the first run, then proceeds
+        assert not thread.is_alive()
+    thread.join()
+
+
+def test_repro_stage_skips_unchanged_and_keeps_the_log(failing_repo):
+    env = stage_env({}, terminal=False)
+    first = repro_stage(failing_repo, "ok", failing_repo / "logs" / "ok.log", env)
+    again = repro_stage(failing_repo, "ok", failing_repo / "logs" / "ok.log", env)
+    assert (first.returncode, first.ran, again.returncode, again.ran) == (0, True, 0, False)
+    broken = repro_stage(failing_repo, "broken", failing_repo / "logs" / "broken.log", env)
+    assert broken.returncode != 0 and "on fire" in log_tail(broken.log)
+
+
+def test_apply_overrides_validates_and_reports_changes(failing_repo):
+    with pytest.raises(ParamsError, match="train.kl_coeff"):
+        apply_overrides(failing_repo, "demo", ["train.kl_coeff=1"])
+    changes = apply_overrides(failing_repo, "demo", ["train.kl_coef=0.2", "base.seed=0"])
+    assert changes == [("train.kl_coef", None, 0.2)]
+    assert apply_overrides(failing_repo, "demo", ["train.kl_coef=0.2"]) == []
+
+
+def test_transient_failures_and_terminal_logs():
+    assert is_transient("ERROR: Unable to acquire lock. Most likely another DVC process is running")
+    assert not is_transient("train.kl_coeff: unknown key")
+    assert clean_lines("a\r\x1b[2Kb 50%\r\x1b[2Kb 100%\n\nc\n") == ["b 100%", "c"]
