@@ -10,7 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tasks.cli import app
+from tasks.mlflow_tracking import experiment_id, get_client
 from tasks.params import ParamsError, load_params
+from tasks.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [
@@ -24,10 +26,10 @@ TINY = [
 
 
 @pytest.fixture
-def workspace(tmp_path, monkeypatch):
-    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
+def workspace(mlflow_root, monkeypatch):  # tracking on, into the workspace's own MLflow store
+    shutil.copy(REPO / "params.yaml", mlflow_root / "params.yaml")
+    monkeypatch.chdir(mlflow_root)
+    return mlflow_root
 
 
 def invoke(*args: str) -> str:
@@ -36,8 +38,15 @@ def invoke(*args: str) -> str:
     return result.output
 
 
+def run_all_stages(*args: str) -> None:
+    """Every stage in process, in order: the pipeline without Prefect or DVC (`rlhf run`, the Prefect flow
+    over DVC, is tested in tests/test_flow.py)."""
+    for name in STAGES:
+        invoke("stage", name, *args)
+
+
 def test_run_writes_every_stage_output(workspace):
-    invoke("run", *[x for item in TINY for x in ("--set", item)])
+    run_all_stages(*[x for item in TINY for x in ("--set", item)])
     for split in ("sft_train", "sft_eval", "prefs_train", "prefs_eval", "prompts_train", "prompts_eval"):
         assert (workspace / "data" / f"{split}.jsonl").stat().st_size > 0
     for model in ("tokenizer", "sft", "reward", "policy"):
@@ -52,6 +61,12 @@ def test_run_writes_every_stage_output(workspace):
     for plot in ("reward_over_updates.png", "reward_vs_kl.png", "response_lengths.png"):
         assert (workspace / "reports" / "eval" / plot).read_bytes()[:4] == b"\x89PNG"
     assert not list(workspace.rglob("*.tmp")), "no temp outputs are left behind"
+    client = get_client(workspace)  # every stage is an MLflow run; the policy is registered
+    runs = client.search_runs([experiment_id(client, workspace)])
+    assert {r.info.run_name for r in runs} == set(STAGES)
+    train_run = next(r for r in runs if r.info.run_name == "train")
+    assert client.get_metric_history(train_run.info.run_id, "objective/kl"), "per-update metrics"
+    assert json.loads((workspace / "metrics" / "register.json").read_text())["version"] == 1
 
     # a rerun with the same inputs resumes from the final checkpoint: no update is redone
     trained = json.loads((workspace / "metrics" / "train.json").read_text())
@@ -94,7 +109,7 @@ def test_real_profile_runs_on_local_copies(workspace, make_policy, make_scorer_m
              "evaluate.response_length=4", "sft.eval_max_new_tokens=4"]
     params = load_params(workspace, "tldr-pythia-1b", local)
     assert params.train.learning_rate == 3e-6 and params.train.kl_coef == 0.05 and params.train.num_epochs == 4
-    invoke("run", "--profile", "tldr-pythia-1b", *[x for item in local for x in ("--set", item)])
+    run_all_stages("--profile", "tldr-pythia-1b", *[x for item in local for x in ("--set", item)])
     prepared = json.loads((workspace / "metrics" / "prepare.json").read_text())
     assert prepared["sft_train"]["duplicates"] + prepared["sft_eval"]["duplicates"] == 3
     train_prompts = {json.loads(line)["prompt"] for line in (workspace / "data" / "prompts_train.jsonl").open()}
