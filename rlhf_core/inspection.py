@@ -277,6 +277,11 @@ def explain_wrong_token(probe: Probe, batch: Padded, row: int, position: int) ->
         return (f"model.config.pad_token_id is {cfg_pad} but the tokenizer pads with id {pad}: the forward does "
                 f"not recognise the padding and scores a pad position. Set model.config.pad_token_id = {pad} "
                 "(the tokenizer's pad id) and save the model again.")
+    if probe.path == "scorer":
+        return ("RewardModelScorer applies the score head to the backbone's hidden state at the last real token; "
+                f"a different match means {type(probe.model).__name__}'s backbone (`base_model_prefix`) or head "
+                "(`score`/`classifier`) is not what its forward uses. Load it as a standard "
+                "AutoModelForSequenceClassification with num_labels=1.")
     if not batch.attention_mask[row, position]:
         return ("The model pools a fixed position (e.g. the last column) instead of the last real token, so with "
                 "right padding it scores a pad. Pool at attention_mask.sum(-1) - 1 (or the last non-pad token), "
@@ -522,7 +527,8 @@ def inspect_reward_model(model: nn.Module, tokenizer, *, pairs: Sequence[dict] =
     report["checks"] = [c.as_dict() for c in checks]
     failures += [f"[{c.path}] {c.name}: {c.detail}. {c.explanation}" for c in checks if not c.passed]
     warnings: list[str] = []
-    if not failures and (pairs or prompts):
+    scorer_ok = checks and all(c.passed for c in checks if c.path == "scorer")
+    if scorer_ok and (pairs or prompts):  # the pipeline's scores mean something even when the forward fails
         report.update(quality_report(model, tokenizer, pairs, prompts, cfg, failures, warnings))
     report.update(passed=not failures, failures=failures, warnings=warnings)
     return report

@@ -86,6 +86,7 @@ def test_pad_equal_to_eos_fails_with_the_explanation(make_scorer_model, tokenize
     message = next(f for f in report["failures"] if "scored_token" in f)
     assert "1 token(s) before the last real token" in message and "equals the EOS id" in message
     assert "distinct pad token" in message
+    assert report["pairs"]["n"] == 12, "the pipeline's own scores are still reported"
 
 
 @pytest.mark.parametrize("column,where", [(0, "the first token"), (-1, "a padding position")])
