@@ -309,7 +309,7 @@ def invariance(probe: Probe, name: str, reference: Tensor, other: Tensor, what: 
     """Passes when `other` reproduces `reference` within the tolerance."""
     gap = float((other - reference).abs().max())
     ok = gap <= probe.tolerance(reference)
-    return Check(name, probe.path, ok, f"{what}: max |score change| {gap:.3g}",
+    return Check(name, probe.path, ok, f"{what}: max abs score change {gap:.3g}",
                  explanation="" if ok else why, value=gap)
 
 
