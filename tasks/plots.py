@@ -59,6 +59,13 @@ def plot_inspection(samples: dict[str, dict[str, list]], target: Path) -> None:
     _save(fig, target)
 
 
+def _token_label(tok: dict) -> str:
+    """Printable: control characters escaped; a partial UTF-8 byte (decoded as U+FFFD) shown by its id."""
+    if "\ufffd" in tok["token"]:
+        return f"#{tok['token_id']}"
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in tok["token"])
+
+
 def plot_trace(trace: dict, target: Path) -> None:
     """The reward-flow trace as a heatmap per rollout: quantities (rows) x response tokens (columns).
 
@@ -79,7 +86,7 @@ def plot_trace(trace: dict, target: Path) -> None:
                 for t, v in enumerate(row):
                     ax.text(t, q, f"{v:.2g}", ha="center", va="center", fontsize=5.5)
         ax.set_yticks(range(len(names)), names, fontsize=7)
-        labels = ["".join(c if c.isprintable() else repr(c)[1:-1] for c in tok["token"]) for tok in rollout["tokens"]]
+        labels = [_token_label(tok) for tok in rollout["tokens"]]
         ax.set_xticks(range(len(labels)), labels, rotation=60, fontsize=7)
         extra = "".join(f", {k} {rollout[k]:.3g}" for k in ("baseline", "advantage") if k in rollout)
         ax.set_title(f"rollout {rollout['index']}: score {rollout['score']:.3g}, KL {rollout['kl_sum']:.3g}, "
