@@ -28,7 +28,8 @@ def sh(*args: str, cwd: Path) -> str:
 
 
 @pytest.fixture
-def dvc_repo(tmp_path):
+def dvc_repo(tmp_path, mlflow_db_template):
+    shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")  # git-ignored; stages track into it, nothing else
     for item in ("dvc.yaml", ".gitignore"):
         shutil.copy(REPO / item, tmp_path / item)
     for package in ("rlhf_core", "tasks"):
@@ -48,14 +49,16 @@ def dvc_repo(tmp_path):
 def test_repro_runs_skips_and_reruns_downstream(dvc_repo):
     sh("dvc", "repro", cwd=dvc_repo)
     assert json.loads((dvc_repo / "metrics" / "eval.json").read_text())["win_rate_rm"] >= 0
+    assert json.loads((dvc_repo / "metrics" / "register.json").read_text())["version"] == 1, "tracked in mlflow.db"
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=dvc_repo)
     second = sh("dvc", "repro", cwd=dvc_repo)
     assert "Running stage" not in second, second
 
     experiment = sh("dvc", "exp", "run", "-S", "train.kl_coef=0.2", cwd=dvc_repo)
     assert yaml.safe_load((dvc_repo / "params.yaml").read_text())["train"]["kl_coef"] == 0.2
-    ran = {stage for stage in ("prepare", "sft", "reward-model", "train", "evaluate")
+    ran = {stage for stage in ("prepare", "sft", "reward-model", "train", "evaluate", "register")
            if f"Running stage '{stage}'" in experiment}
-    assert ran == {"train", "evaluate"}, experiment
+    # register reruns only when the policy or its evaluation changed (one update at kl 0 may change neither)
+    assert {"train", "evaluate"} <= ran <= {"train", "evaluate", "register"}, experiment
     shown = sh("dvc", "metrics", "show", "--json", cwd=dvc_repo)
     assert "win_rate_rm" in shown
