@@ -95,3 +95,21 @@ def test_missing_eval_metric_names_file_and_key(tmp_path):
     path.write_text(json.dumps({"mean_kl": 1.0}))
     with pytest.raises(RegisterError, match="eval.json: no numeric 'win_rate_rm'"):
         read_eval(path, RegisterParams())
+
+
+def test_lora_policy_is_logged_over_its_local_base(mlflow_root, make_policy, tokenizer, monkeypatch):
+    """A PEFT policy over a local base must come back with its trained weights (mlflow#23761)."""
+    from peft import LoraConfig, get_peft_model
+
+    make_policy().save_pretrained(mlflow_root / "base")
+    config = LoraConfig(r=4, target_modules=["query_key_value"], lora_dropout=0.0, init_lora_weights=False)
+    policy = get_peft_model(load_policy(mlflow_root / "base"), config)  # a non-zero adapter: differs from base
+    policy.save_pretrained(mlflow_root / "models" / "policy")
+    tokenizer.save_pretrained(mlflow_root / "models" / "policy")
+    assert register(mlflow_root, 0.7, 1.0)["promoted"]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri(mlflow_root))
+    pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.model(ids).logits, policy(ids).logits)
