@@ -52,16 +52,18 @@ Profile = Annotated[str | None, typer.Option(help="Profile overriding params.yam
 
 
 @app.command()
-def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | inspect | train | evaluate")],
+def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | inspect | train | evaluate | register")],
           profile: Profile = None, overrides: Overrides = None) -> None:
     """Run one pipeline stage in this workspace (what dvc.yaml calls)."""
     from tasks.inspect_rm import InspectionFailed
+    from tasks.mlflow_tracking import TrackingError
+    from tasks.register import RegisterError
     from tasks.stages import run_stage
     from tasks.validate import ValidationFailed
 
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
-    except (ValidationFailed, InspectionFailed) as err:  # the data or the RM failed: a message and the report
+    except (ValidationFailed, InspectionFailed, TrackingError, RegisterError) as err:  # a message, not a traceback
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     typer.echo(json.dumps(metrics, indent=2, sort_keys=True))

@@ -63,6 +63,11 @@ def tracking_uri(root: str | Path = ".") -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
 
 
+def _asked_for_tracking() -> bool:
+    """Whether the user named a tracking server or a parent run (then a failure to reach it is an error)."""
+    return bool(os.environ.get("MLFLOW_TRACKING_URI") or os.environ.get(PARENT_RUN_ENV, "").strip())
+
+
 def _is_remote(uri: str) -> bool:
     return uri.startswith(("http://", "https://", "databricks"))
 
@@ -84,6 +89,8 @@ def _client_for(uri: str):
         from filelock import FileLock
 
         db = Path(uri.removeprefix("sqlite:///"))
+        if db.exists() and not db.is_file():  # else MLflow retries opening it for ~100 s before failing
+            raise TrackingError(f"{db} is not a sqlite file")
         db.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(f"{db}.lock"):
             client = MlflowClient(uri, registry_uri=uri)
@@ -379,9 +386,13 @@ def track_stage(name: str, root: str | Path, params, work: Callable[[], dict]) -
     root = Path(root).resolve()
     try:
         run = _open_stage_run(name, root, params)
-    except TrackingError:
-        raise
-    except Exception as err:  # the local store is ours to manage: run the stage untracked rather than not at all
+    except Exception as err:
+        if _asked_for_tracking():  # a server or parent run the user named: fail now, before any work
+            if isinstance(err, TrackingError):
+                raise
+            raise TrackingError(f"MLflow at {tracking_uri(root)}: {err}. Unset MLFLOW_TRACKING_URI to track into "
+                                f"the local store, or set {TRACKING_ENV}=off") from err
+        # the default local store is ours to manage: run the stage untracked rather than not at all
         log.warning("MLflow tracking unavailable (%s); stage %s runs untracked", err, name)
         return work()
     token = _current.set(run)

@@ -118,6 +118,19 @@ def test_logging_errors_never_fail_but_a_bad_parent_fails_first(mlflow_root, mon
         track_stage("prepare", mlflow_root, load_params(mlflow_root), lambda: ran.append(1) or {})
     assert not ran, "a misconfiguration fails before the stage does any work"
 
+    monkeypatch.delenv("RLHF_PARENT_RUN_ID")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a server that is not there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with pytest.raises(TrackingError, match="127.0.0.1:9.*RLHF_TRACKING=off"):
+        track_stage("prepare", mlflow_root, load_params(mlflow_root), lambda: ran.append(1) or {})
+    assert not ran
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the default local store, broken: the stage runs untracked
+    broken = mlflow_root / "broken"
+    (broken / "mlflow.db").mkdir(parents=True)
+    assert track_stage("prepare", broken, load_params(mlflow_root), lambda: {"a": 1}) == {"a": 1}
+    assert "runs untracked" in caplog.text
+
 
 def test_tracking_off_touches_no_store(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_TRACKING", "off")
