@@ -79,12 +79,19 @@ def test_eval_splits_do_not_depend_on_train_sizes(world):
         assert bigger[split] == world[split], split
 
 
-def test_sft_flawed_fraction_is_as_configured(world):
+def test_sft_flaws_and_padding_are_as_configured(world):
     rows = world["sft_train"]
-    flawed = sum(gold_reward(r["prompt"], r["completion"]) < 1.0 for r in rows) / len(rows)
-    assert flawed == pytest.approx(SMALL.sft_flawed_fraction, abs=0.04)
-    clean = build_world(seed=0, config=WorldConfig(sft_train=200, sft_flawed_fraction=0.0, **_no_other_rows()))
+    imperfect = sum(gold_reward(r["prompt"], r["completion"]) < 1.0 for r in rows) / len(rows)
+    expected = 1 - (1 - SMALL.sft_flawed_fraction) * (1 - SMALL.sft_padded_fraction)
+    assert imperfect == pytest.approx(expected, abs=0.04)
+    clean = build_world(seed=0, config=WorldConfig(sft_train=200, sft_flawed_fraction=0.0, sft_padded_fraction=0.0,
+                                                   **_no_other_rows()))
     assert all(gold_reward(r["prompt"], r["completion"]) == 1.0 for r in clean["sft_train"])
+    padded = build_world(seed=0, config=WorldConfig(sft_train=200, sft_flawed_fraction=0.0, sft_padded_fraction=1.0,
+                                                    **_no_other_rows()))
+    for row in padded["sft_train"]:  # every fact kept, but the padding costs gold reward
+        breakdown = gold_breakdown(row["prompt"], row["completion"])
+        assert breakdown.coverage == 1.0 and breakdown.total < 1.0, row
 
 
 def test_preference_labels_agree_with_gold_up_to_label_noise(world):

@@ -316,8 +316,11 @@ def ramble(post: Post, draft: Draft, rng: random.Random) -> Draft:
 Perturbation = Callable[[Post, Draft, random.Random], Draft]
 # Applied in this order when combined, so a named entity is never dropped by a later perturbation.
 PERTURBATIONS: tuple[Perturbation, ...] = (drop_fact, invent_entity, add_distractor, repeat, ramble)
-# SFT data never repeats itself: degenerate repetition is what RL, not imitation, tends to produce.
-SFT_FLAWS: tuple[Perturbation, ...] = (drop_fact, invent_entity, add_distractor, ramble)
+# Content errors of some SFT demonstrations; SFT data never repeats itself: degenerate repetition is what RL,
+# not imitation, tends to produce.
+SFT_FLAWS: tuple[Perturbation, ...] = (drop_fact, invent_entity)
+# How demonstrators pad a summary: small talk from the post, or a ramble.
+SFT_PADDING: tuple[Perturbation, ...] = (add_distractor, ramble)
 
 
 def perturbed_summary(post: Post, rng: random.Random, perturbations: tuple[Perturbation, ...]) -> str:
@@ -354,8 +357,12 @@ class WorldConfig:
     """prompts {prompt} for RL rollouts."""
     prompts_eval: int = 256
     """held-out prompts {prompt, reference} for evaluation with the proxy and the gold reward."""
-    sft_flawed_fraction: float = 0.35
-    """fraction of SFT completions with one flaw, so that RL has room to improve on the SFT policy."""
+    sft_flawed_fraction: float = 0.2
+    """fraction of SFT completions with a content error (a dropped fact or an invented name)."""
+    sft_padded_fraction: float = 0.6
+    """fraction of SFT completions padded with an extra clause (small talk from the post or a ramble), as
+    human-written TL;DRs often are. Imitation learns the habit (greedy decoding follows the majority); the
+    reward model learns from pairs that padding loses, so RL has a real, gold-visible flaw to unlearn."""
     label_noise: float = 0.1
     """probability that a preference pair's labels are swapped, like disagreeing human raters."""
 
@@ -383,7 +390,8 @@ def _fresh_post(rng: random.Random, seen: set[str]) -> Post:
 
 def _sft_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str]:
     flaws = (rng.choice(SFT_FLAWS),) if rng.random() < config.sft_flawed_fraction else ()
-    return {"prompt": post.prompt, "completion": perturbed_summary(post, rng, flaws)}
+    padding = (rng.choice(SFT_PADDING),) if rng.random() < config.sft_padded_fraction else ()
+    return {"prompt": post.prompt, "completion": perturbed_summary(post, rng, flaws + padding)}
 
 
 def _preference_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str] | None:
