@@ -222,7 +222,7 @@ class MlflowTracker:
         self._pending: list = []
         self._steps = 0
 
-    def _safely(self, what: str, fn: Callable, *args, **kwargs) -> None:
+    def safely(self, what: str, fn: Callable, *args, **kwargs) -> None:
         try:
             fn(*args, **kwargs)
         except Exception as err:  # logging must never fail the stage
@@ -235,7 +235,7 @@ class MlflowTracker:
 
         items = [Param(k, _param_value(v)) for k, v in flatten(params).items()]
         for start in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self._safely("log params", self.client.log_batch, self.run_id,
+            self.safely("log params", self.client.log_batch, self.run_id,
                          params=items[start:start + _MAX_PARAMS_PER_BATCH], synchronous=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
@@ -249,12 +249,12 @@ class MlflowTracker:
             self.flush()
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self._safely("log artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+        self.safely("log artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), _MAX_METRICS_PER_BATCH):
-            self._safely("log metrics", self.client.log_batch, self.run_id,
+            self.safely("log metrics", self.client.log_batch, self.run_id,
                          metrics=pending[start:start + _MAX_METRICS_PER_BATCH], synchronous=True)
 
     def close(self) -> None:
@@ -345,7 +345,7 @@ def _log_outputs(run: StageRun, root: Path, name: str) -> None:
         if not out.startswith(("reports/", "metrics/")) or not path.exists():
             continue
         if path.is_dir():
-            tracker._safely("log artifacts", run.client.log_artifacts, run.run_id, str(path), out)
+            tracker.safely("log artifacts", run.client.log_artifacts, run.run_id, str(path), out)
             for table in sorted(path.rglob("*.jsonl")):
                 _log_table(run, table, f"tables/{table.relative_to(root).with_suffix('.json').as_posix()}")
         else:
@@ -363,7 +363,7 @@ def _log_table(run: StageRun, path: Path, artifact_file: str) -> None:
         rows = read_jsonl(path)[:MAX_TABLE_ROWS]
         run.client.log_table(run.run_id, data=pd.DataFrame(rows), artifact_file=artifact_file)
 
-    run.tracker._safely("log table", log)
+    run.tracker.safely("log table", log)
 
 
 def _close_stage_run(run: StageRun, root: Path, name: str, metrics: Mapping[str, Any], status: str,
@@ -374,8 +374,8 @@ def _close_stage_run(run: StageRun, root: Path, name: str, metrics: Mapping[str,
         run.tracker.close()
     _log_outputs(run, root, name)
     if error:
-        run.tracker._safely("log error", run.client.log_text, run.run_id, error, "error.txt")
-    run.tracker._safely("end run", run.client.set_terminated, run.run_id, status)
+        run.tracker.safely("log error", run.client.log_text, run.run_id, error, "error.txt")
+    run.tracker.safely("end run", run.client.set_terminated, run.run_id, status)
 
 
 def track_stage(name: str, root: str | Path, params, work: Callable[[], dict]) -> dict:
@@ -454,7 +454,7 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
                 log.warning("%s is not a JSON object of metrics (%s)", file, err)
     tracker.close()
     state = status.strip().upper()
-    tracker._safely("end run", client.set_terminated, run_id, _STATUS.get(state, state))
+    tracker.safely("end run", client.set_terminated, run_id, _STATUS.get(state, state))
 
 
 def run_url(run_id: str, root: str | Path = ".") -> str | None:
