@@ -219,6 +219,7 @@ class MlflowTracker:
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
         self.errors = 0
         self.last_step = 0
+        self.logged: set[str] = set()  # metric keys with a history already
         self._pending: list = []
         self._steps = 0
 
@@ -242,7 +243,9 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._pending += [Metric(k, v, now, step) for k, v in numeric(metrics).items()]
+        values = numeric(metrics)
+        self._pending += [Metric(k, v, now, step) for k, v in values.items()]
+        self.logged.update(values)
         self.last_step = max(self.last_step, step)
         self._steps += 1
         if self._steps % self.flush_every == 0:
@@ -368,10 +371,11 @@ def _log_table(run: StageRun, path: Path, artifact_file: str) -> None:
 
 def _close_stage_run(run: StageRun, root: Path, name: str, metrics: Mapping[str, Any], status: str,
                      error: str | None = None) -> None:
-    run.tracker.flush()
-    if metrics:  # at the last logged step, so a summary does not add an out-of-order point to a history
-        run.tracker.log_metrics(metrics, step=run.tracker.last_step)
-        run.tracker.close()
+    # the stage's result, but not again where the stage logged a history (train's per-update metrics)
+    summary = {k: v for k, v in numeric(metrics).items() if k not in run.tracker.logged}
+    if summary:
+        run.tracker.log_metrics(summary, step=run.tracker.last_step)
+    run.tracker.close()
     _log_outputs(run, root, name)
     if error:
         run.tracker.safely("log error", run.client.log_text, run.run_id, error, "error.txt")

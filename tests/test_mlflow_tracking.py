@@ -19,6 +19,7 @@ from tasks.mlflow_tracking import (
     get_client,
     iter_runs,
     run_url,
+    stage_tracker,
     start_pipeline_run,
     track_stage,
 )
@@ -81,6 +82,19 @@ def test_tracker_sends_metrics_in_batches(mlflow_root):
     history = client.get_metric_history(run_id, "objective/kl")
     assert [m.step for m in sorted(history, key=lambda m: m.step)] == list(range(1, 11))
     assert max(history, key=lambda m: m.step).value == pytest.approx(1.0)
+
+
+def test_stage_history_is_not_repeated_by_its_result(mlflow_root):
+    def train() -> dict:  # stands in for the train stage: per-update metrics, then the last ones as result
+        for step in (1, 2, 3):
+            stage_tracker().log_metrics({"objective/kl": 0.1 * step}, step)
+        return {"objective/kl": 0.3, "resumed_from_update": 0}
+
+    track_stage("train", mlflow_root, load_params(mlflow_root), train)
+    client = get_client(mlflow_root)
+    run = client.search_runs([experiment_id(client, mlflow_root)], "attributes.run_name = 'train'")[0]
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "objective/kl")) == [1, 2, 3]
+    assert run.data.metrics["resumed_from_update"] == 0
 
 
 def test_stage_reports_become_artifacts_and_tables(mlflow_root):
