@@ -8,7 +8,7 @@ from rlhf_core.reward_training import (
     reward_model_from_policy,
     train_reward_model,
 )
-from rlhf_core.world import gold_reward
+from rlhf_core.world import gold_reward, misstated_pairs
 from tasks.common import save_model, tiny_reward_model
 from tasks.io import read_jsonl, write_json
 from tasks.params import Params
@@ -20,7 +20,7 @@ def run(params: Params, paths: Paths) -> dict:
     cfg = params.reward_model
     rm_cfg = params.reward_config()
     tokenizer = load_tokenizer(paths.tokenizer)
-    eval_rows = read_jsonl(paths.split("prefs_eval"))
+    train_rows, eval_rows = read_jsonl(paths.split("prefs_train")), read_jsonl(paths.split("prefs_eval"))
     gold = (lambda prompt, completion: gold_reward(prompt, completion)) if params.prepare.source == "world" else None
     if cfg.pretrained:
         model, metrics = load_scorer_model(cfg.pretrained), {}
@@ -30,10 +30,14 @@ def run(params: Params, paths: Paths) -> dict:
         else:
             model = tiny_reward_model(params, tokenizer)
         with progress_bar("reward model", total=rm_cfg.epochs) as update:
-            result = train_reward_model(rm_cfg, model, tokenizer, read_jsonl(paths.split("prefs_train")), eval_rows,
+            result = train_reward_model(rm_cfg, model, tokenizer, train_rows, eval_rows,
                                         progress=epoch_callback(update, rm_cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
     metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
+    if gold is not None:  # the world's blind-spot probe: reference vs the same summary with one fact misstated
+        seen = {row["prompt"] for row in train_rows + eval_rows}
+        probe = misstated_pairs(params.base.seed, len(eval_rows), exclude=seen)
+        metrics["eval/misstated_accuracy"] = evaluate_reward_model(model, tokenizer, probe, cfg=rm_cfg)["eval/accuracy"]
     save_model(model, tokenizer, paths.reward_model)
     write_json(paths.metrics_file("reward"), metrics)
     return metrics

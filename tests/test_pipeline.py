@@ -52,6 +52,8 @@ def test_run_writes_every_stage_output(workspace):
     for model in ("tokenizer", "sft", "reward", "policy"):
         assert any((workspace / "models" / model).iterdir()), model
     assert list((workspace / "models" / "policy").glob("*.safetensors"))
+    reward = json.loads((workspace / "metrics" / "reward.json").read_text())
+    assert {"eval/gold_accuracy", "eval/misstated_accuracy"} <= set(reward), "the world's gold and probe"
     evaluation = json.loads((workspace / "metrics" / "eval.json").read_text())
     for key in ("win_rate_rm", "win_rate_gold", "mean_score_rm", "mean_score_gold", "mean_kl", "eos_rate",
                 "mean_length", "ref_mean_score_rm", "ref_mean_score_gold", "ref_eos_rate", "ref_mean_length"):

@@ -12,11 +12,12 @@ from rlhf_core.world import (
     build_world,
     gold_breakdown,
     gold_reward,
+    misstated_pairs,
     parse_facts,
     sample_post,
     train_tokenizer,
 )
-from rlhf_core.world.tldr import reference_draft, words
+from rlhf_core.world.tldr import reference_draft, swap_fact, words
 
 SMALL = WorldConfig(sft_train=2000, sft_eval=50, prefs_train=2000, prefs_eval=50, prompts_train=100,
                     prompts_eval=50)
@@ -147,6 +148,10 @@ def test_hand_written_prompt_parses_to_its_facts():
         (" my sister spent my college fund and i froze my credit", "coverage"),
         (" my sister and riley spent my college fund and i froze my credit, should i cut them off?", "invented"),
         (" my sister spent my college fund, i froze my credit in boston, should i cut them off?", "invented"),
+        (" my brother spent my college fund and i froze my credit, should i cut them off?", "invented"),
+        (" my sister sold my old car and i froze my credit, should i cut them off?", "invented"),
+        (" my sister spent my college fund and i lost my savings, should i cut them off?", "invented"),
+        (" my sister spent my college fund and i froze my credit, should i report them?", "invented"),
         (" my sister spent my college fund, my cousin sam loves fishing, i froze my credit, should i cut them off?",
          "distraction"),
         (" my sister spent my college fund and i froze my credit and i froze my credit, should i cut them off?",
@@ -160,6 +165,39 @@ def test_each_flaw_lowers_its_component_and_the_total(completion, penalized):
     assert reference.total == 1.0
     assert getattr(flawed, penalized) < getattr(reference, penalized)
     assert flawed.total < reference.total - 0.05
+
+
+def test_an_ask_the_poster_never_asked_is_invented():
+    prompt = PROMPT.replace(" honestly, should i cut them off?", "")
+    no_ask = " my sister spent my college fund and i froze my credit"
+    assert gold_reward(prompt, no_ask) == 1.0
+    assert gold_breakdown(prompt, no_ask + ", should i cut them off?").invented == pytest.approx(-0.3)
+
+
+def test_swapped_facts_are_plausible_but_never_in_the_post():
+    rng = random.Random(0)
+    for _ in range(500):
+        post = sample_post(rng)
+        reference = reference_draft(post, rng)
+        swapped = swap_fact(post, reference, rng).render()
+        assert swapped != reference.render()
+        assert gold_breakdown(post.prompt, swapped).invented <= -0.3, (post.prompt, swapped)
+
+
+def test_misstated_probe_pairs_prefer_the_reference():
+    rows = misstated_pairs(seed=0, n=100, exclude={PROMPT})
+    assert rows == misstated_pairs(seed=0, n=100)
+    assert len({r["prompt"] for r in rows}) == 100
+    for row in rows:
+        assert gold_reward(row["prompt"], row["chosen"]) == 1.0
+        assert gold_breakdown(row["prompt"], row["rejected"]).invented <= -0.3
+
+
+def test_misstated_pair_fraction_makes_hard_negative_pairs():
+    config = WorldConfig(prefs_train=200, label_noise=0.0, misstated_pair_fraction=1.0, **_no_other_rows())
+    for row in build_world(seed=0, config=config)["prefs_train"]:
+        chosen, rejected = gold_breakdown(row["prompt"], row["chosen"]), gold_breakdown(row["prompt"], row["rejected"])
+        assert rejected.invented < chosen.invented, row
 
 
 def test_missing_eos_is_penalized():

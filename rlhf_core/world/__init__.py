@@ -9,6 +9,7 @@ from rlhf_core.world.tldr import (
     build_world,
     gold_breakdown,
     gold_reward,
+    misstated_pairs,
     parse_facts,
     sample_post,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "build_world",
     "gold_breakdown",
     "gold_reward",
+    "misstated_pairs",
     "parse_facts",
     "sample_post",
     "train_tokenizer",

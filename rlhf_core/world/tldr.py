@@ -20,7 +20,9 @@ The gold reward (`gold_breakdown`) scores a completion against those facts; weig
                 a summary; partial credit gives RL a smooth signal.
 - brevity       -0.05 per word beyond a budget of the facts' own words + 4 (room for connectives), so
                 length hacking shows up in the gold score while a plain reference never pays.
-- invented      -0.3 per distinct entity word (person, relation, place) absent from the post: a
+- invented      -0.3 per distinct entity word (person, relation, place) absent from the post, and per
+                stated event, outcome or ask that is not one of the post's facts (``my sister sold my
+                old car`` when she spent the college fund, an ask the poster never asked): a
                 hallucination is about as bad as missing a fact.
 - distraction   -0.1 per distinct entity word taken from a distractor: true but irrelevant detail.
 - repetition    -0.1 per repeated word bigram, the classic degeneration of RL-tuned policies.
@@ -196,6 +198,8 @@ def _alternation(phrases: list[str]) -> str:
 _INCIDENT_RE = re.compile(rf"\bmy (\w+) ({_alternation([e for d in DOMAINS for e in d.events])})\b")
 _OUTCOME_RE = re.compile(rf"\b({_alternation([o for d in DOMAINS for o in d.outcomes])})\b")
 _ASK_RE = re.compile(rf"\b({_alternation([a for d in DOMAINS for a in d.asks])})\b")
+_ANY_FACT_RE = re.compile(
+    rf"\b({_alternation([p for d in DOMAINS for p in d.events + d.outcomes + d.asks])})\b")
 
 
 @functools.lru_cache(maxsize=4096)  # RL scores many completions per prompt
@@ -213,6 +217,11 @@ def parse_facts(prompt: str) -> tuple[Fact, ...]:
     if match := _ASK_RE.search(body):
         facts.append(Fact("ask", match[1]))
     return tuple(facts)
+
+
+def _listed_phrase(fact: Fact) -> str:
+    """The fact's phrase from the closed lists: an incident's event (``my sister`` + event), else the phrase."""
+    return fact.phrase.split(" ", 2)[2] if fact.kind == "incident" else fact.phrase
 
 
 @dataclass(frozen=True)
@@ -241,11 +250,13 @@ def gold_breakdown(prompt: str, completion: str, ended_with_eos: bool = True) ->
     relevant = {w for f in facts for w in f.keywords}
     entities = (said_set & ENTITY_WORDS) - relevant
     invented = entities - set(words(prompt))
+    # Fact phrases are matched on the word sequence, so punctuation never hides one.
+    invented_facts = set(_ANY_FACT_RE.findall(" ".join(said))) - {_listed_phrase(f) for f in facts}
     repeats = sum(n - 1 for n in Counter(pairwise(said)).values())
     return GoldBreakdown(
         coverage=coverage,
         brevity=-WEIGHTS["brevity"] * max(0, len(said) - budget),
-        invented=-WEIGHTS["invented"] * len(invented),
+        invented=-WEIGHTS["invented"] * (len(invented) + len(invented_facts)),
         distraction=-WEIGHTS["distraction"] * len(entities - invented),
         repetition=-WEIGHTS["repetition"] * repeats,
         eos=0.0 if ended_with_eos else -WEIGHTS["eos"],
@@ -290,6 +301,31 @@ def drop_fact(post: Post, draft: Draft, rng: random.Random) -> Draft:
     return dataclasses.replace(draft, statements=draft.statements[:drop] + draft.statements[drop + 1:])
 
 
+def swap_fact(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    """Misstate one fact with a plausible one of the same subreddit that the post does not say: another
+    person (``my brother`` for ``my sister``), event, outcome or ask, or an ask the poster never asked."""
+    domain = next(d for d in DOMAINS if d.subreddit == post.subreddit)
+    said = f" {' '.join(words(post.prompt))} "
+
+    def unsaid(pool: tuple[str, ...]) -> list[str]:
+        return [p for p in pool if f" {p} " not in said]
+
+    kind = rng.choice(("incident", "outcome", "ask"))
+    if kind == "ask":
+        return dataclasses.replace(draft, ask=rng.choice(unsaid(domain.asks)))
+    old = next(f.phrase for f in post.facts if f.kind == kind)
+    if old not in draft.statements:  # dropped already: state a wrong ask instead
+        return dataclasses.replace(draft, ask=rng.choice(unsaid(domain.asks)))
+    if kind == "outcome":
+        new = rng.choice(unsaid(domain.outcomes))
+    elif rng.random() < 0.5:
+        relation = old.split()[1]
+        new = old.replace(f"my {relation}", f"my {rng.choice(unsaid(domain.relations))}", 1)
+    else:
+        new = old.replace(_listed_phrase(post.facts[0]), rng.choice(unsaid(domain.events)), 1)
+    return dataclasses.replace(draft, statements=tuple(new if s == old else s for s in draft.statements))
+
+
 def add_distractor(post: Post, draft: Draft, rng: random.Random) -> Draft:
     return dataclasses.replace(draft, statements=(*draft.statements, rng.choice(post.distractors)))
 
@@ -323,18 +359,18 @@ SFT_FLAWS: tuple[Perturbation, ...] = (drop_fact, invent_entity)
 SFT_PADDING: tuple[Perturbation, ...] = (add_distractor, ramble)
 
 
-def perturbed_summary(post: Post, rng: random.Random, perturbations: tuple[Perturbation, ...]) -> str:
+def perturbed_draft(post: Post, rng: random.Random, perturbations: tuple[Perturbation, ...]) -> Draft:
     draft = reference_draft(post, rng)
     for perturb in perturbations:
         draft = perturb(post, draft, rng)
-    return draft.render()
+    return draft
 
 
-def candidate_summary(post: Post, rng: random.Random) -> str:
+def candidate_draft(post: Post, rng: random.Random) -> Draft:
     """A summary of varying quality for preference data: the reference with 0-2 perturbations."""
     k = rng.choice((0, 1, 1, 2))
     chosen = sorted(rng.sample(range(len(PERTURBATIONS)), k))
-    return perturbed_summary(post, rng, tuple(PERTURBATIONS[i] for i in chosen))
+    return perturbed_draft(post, rng, tuple(PERTURBATIONS[i] for i in chosen))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -359,12 +395,15 @@ class WorldConfig:
     """held-out prompts {prompt, reference} for evaluation with the proxy and the gold reward."""
     sft_flawed_fraction: float = 0.2
     """fraction of SFT completions with a content error (a dropped fact or an invented name)."""
-    sft_padded_fraction: float = 0.6
+    sft_padded_fraction: float = 0.8
     """fraction of SFT completions padded with an extra clause (small talk from the post or a ramble), as
     human-written TL;DRs often are. Imitation learns the habit (greedy decoding follows the majority); the
     reward model learns from pairs that padding loses, so RL has a real, gold-visible flaw to unlearn."""
     label_noise: float = 0.1
     """probability that a preference pair's labels are swapped, like disagreeing human raters."""
+    misstated_pair_fraction: float = 0.0
+    """fraction of preference pairs that differ only in one misstated fact (`swap_fact`): hard negatives that
+    teach the reward model to check a summary against its post, the check an RL policy otherwise exploits."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -391,12 +430,14 @@ def _fresh_post(rng: random.Random, seen: set[str]) -> Post:
 def _sft_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str]:
     flaws = (rng.choice(SFT_FLAWS),) if rng.random() < config.sft_flawed_fraction else ()
     padding = (rng.choice(SFT_PADDING),) if rng.random() < config.sft_padded_fraction else ()
-    return {"prompt": post.prompt, "completion": perturbed_summary(post, rng, flaws + padding)}
+    return {"prompt": post.prompt, "completion": perturbed_draft(post, rng, flaws + padding).render()}
 
 
 def _preference_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str] | None:
     """Two candidates ordered by gold reward, swapped with probability `label_noise`; None on a tie."""
-    a, b = candidate_summary(post, rng), candidate_summary(post, rng)
+    draft = candidate_draft(post, rng)
+    misstated = rng.random() < config.misstated_pair_fraction
+    a, b = draft.render(), (swap_fact(post, draft, rng) if misstated else candidate_draft(post, rng)).render()
     gold_a, gold_b = gold_reward(post.prompt, a), gold_reward(post.prompt, b)
     if gold_a == gold_b:
         return None
@@ -436,3 +477,19 @@ def build_world(seed: int, config: WorldConfig | None = None) -> dict[str, list[
                 rows.append(row)
         world[split] = rows
     return world
+
+
+def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset()) -> list[dict[str, str]]:
+    """`n` probe pairs {prompt, chosen: the reference, rejected: it with one misstated fact (`swap_fact`)}.
+
+    They measure whether a reward model checks a summary against its post, the check an RL policy
+    exploits when it is missing. Posts are fresh (prompts in `exclude`, e.g. the training splits', are skipped).
+    """
+    rng, seen = random.Random(f"tldr-world/{seed}/misstated"), set(exclude)
+    rows = []
+    for _ in range(n):
+        post = _fresh_post(rng, seen)
+        reference = reference_draft(post, rng)
+        rows.append({"prompt": post.prompt, "chosen": reference.render(),
+                     "rejected": swap_fact(post, reference, rng).render()})
+    return rows
