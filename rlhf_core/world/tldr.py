@@ -403,7 +403,9 @@ class WorldConfig:
     """probability that a preference pair's labels are swapped, like disagreeing human raters."""
     misstated_pair_fraction: float = 0.0
     """fraction of preference pairs that differ only in one misstated fact (`swap_fact`): hard negatives that
-    teach the reward model to check a summary against its post, the check an RL policy otherwise exploits."""
+    teach the reward model to check a summary against its post, the check an RL policy otherwise exploits.
+    Off by default: at 0.25 the demo's tiny reward model does not learn the check and its gold accuracy falls
+    to ~0.71; its `eval/misstated_accuracy` reports the blind spot instead."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
