@@ -14,14 +14,14 @@ import argparse
 import json
 import time
 
-from rlhf_core.evaluation import evaluate
+from rlhf_core.greedy_eval import evaluate
+from rlhf_core.jsonio import read_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import RewardModelScorer
-from rlhf_core.trainer import RLTrainer
 from rlhf_core.world import gold_reward
-from tasks.io import read_jsonl
-from tasks.params import load_params
-from tasks.paths import Paths
+from tasks.common.params import load_params
+from tasks.common.paths import Paths
 
 SHOWN = ("win_rate_rm", "win_rate_gold", "mean_kl", "mean_score_gold", "ref_mean_score_gold", "eos_rate",
          "mean_length")

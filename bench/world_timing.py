@@ -23,8 +23,8 @@ import time
 import torch
 
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
-from rlhf_core.reward_training import RewardConfig, train_reward_model
-from rlhf_core.sft import SFTConfig, evaluate_sft, train_sft
+from rlhf_core.reward_trainer import RewardConfig, train_reward_model
+from rlhf_core.sft_trainer import SFTConfig, evaluate_sft, train_sft
 from rlhf_core.world import build_world, gold_reward, train_tokenizer
 
 RESPONSE_LENGTH = 24  # RLConfig.response_length: the budget a policy has to emit EOS in RL

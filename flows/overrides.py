@@ -14,8 +14,8 @@ from typing import Any
 
 import yaml
 
-from tasks.io import write_json
-from tasks.params import PARAMS_FILE, deep_merge, load_params, parse_override
+from rlhf_core.jsonio import write_json
+from tasks.common.params import PARAMS_FILE, deep_merge, load_params, parse_override
 
 RUNS_DIR = "reports/runs"
 
@@ -51,7 +51,7 @@ def _set(data, key: str, value: Any) -> None:
 def apply_overrides(root: str | Path, profile: str, overrides: list[str]) -> list[tuple[str, Any, Any]]:
     """Validate `profile` + `overrides`, then write them into params.yaml; returns (key, old, new) per change.
 
-    Raises tasks.params.ParamsError (naming the key) before anything is written."""
+    Raises tasks.common.params.ParamsError (naming the key) before anything is written."""
     load_params(root, profile, list(overrides))
     wanted: dict = {}
     for item in overrides:

@@ -6,9 +6,9 @@ wait for another run that holds the workspace. One run:
 1. takes the workspace lock (flows/lock.py), so two runs never interleave in one workspace;
 2. validates the overrides and writes them into params.yaml as `dvc exp run -S` does (flows/overrides.py);
    a bad key fails here, before anything runs, naming the key;
-3. opens the MLflow pipeline run (tasks/mlflow_tracking.py) and records the overrides: MLflow params, a
+3. opens the MLflow pipeline run (flows/pipeline_run.py) and records the overrides: MLflow params, a
    Prefect artifact, and reports/runs/<time>-<run>.json;
-4. runs each stage through DVC (flows/dvc_stage.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
+4. runs each stage through DVC (flows/dvc_repro.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
    the pipeline run and unchanged stages are skipped exactly as `dvc repro` skips them;
 5. publishes what the stages left: validation summary, reward-model inspection, evaluation table, and a
    link to the MLflow run.
@@ -29,11 +29,13 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from flows import reports
-from flows.dvc_stage import is_transient, log_tail, repro_stage, stage_env, stage_names
+from flows.dvc_repro import is_transient, log_tail, repro_stage, stage_env
 from flows.lock import WorkspaceBusy, workspace_lock
 from flows.overrides import apply_overrides, write_run_record
-from tasks import mlflow_tracking
-from tasks.params import ParamsError
+from flows.pipeline_run import end_pipeline_run, run_url, start_pipeline_run
+from tasks.common.dvc_yaml import stage_names
+from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
+from tasks.common.params import ParamsError
 
 LOGS_DIR = "reports/logs"
 
@@ -45,13 +47,13 @@ def _retry_if_transient(task, task_run, state: State) -> bool:
 # DVC is the cache (it skips unchanged stages): Prefect caches nothing and persists no result.
 @task(name="dvc-stage", task_run_name="{name}", retries=2, retry_delay_seconds=[15, 60],
       retry_condition_fn=_retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State:
+def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State:
     """`dvc repro --single-item NAME`: runs the stage if its params, deps or outs changed, else skips it."""
     logger = get_run_logger()
     log = Path(root) / LOGS_DIR / f"{name}.log"
     logger.info("stage %s: log %s", name, log)
     terminal = sys.stdout.isatty()
-    env = stage_env({mlflow_tracking.PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}, terminal)
+    env = stage_env({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}, terminal)
     result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None))
     if result.returncode != 0:
         # A returned Failed state (not an exception): the message is the story, no engine traceback.
@@ -71,11 +73,11 @@ def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
     if text:
         create_markdown_artifact(text, key="rlhf-evaluation", description="metrics/eval.json + first completions")
     if mlflow_run_id:
-        url = mlflow_tracking.run_url(mlflow_run_id, root)
+        url = run_url(mlflow_run_id, root)
         if url:
             create_link_artifact(url, link_text=f"MLflow run {mlflow_run_id}", key="rlhf-mlflow-run")
         else:
-            create_markdown_artifact(reports.mlflow_run(mlflow_run_id, mlflow_tracking.tracking_uri(root), None),
+            create_markdown_artifact(reports.mlflow_run(mlflow_run_id, tracking_uri(root), None),
                                      key="rlhf-mlflow-run")
 
 
@@ -84,7 +86,7 @@ def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[
     results, reached = [], set()
     for name in names:
         reached.add(name)
-        state = dvc_stage(name, str(root), parent_run_id, return_state=True)
+        state = run_dvc_stage(name, str(root), parent_run_id, return_state=True)
         if state.is_failed():
             return results, state, reached
         results.append(state.result())
@@ -97,7 +99,7 @@ def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
     changes = apply_overrides(root, profile, overrides)  # ParamsError before anything runs
     for key, old, new in changes:
         logger.info("params.yaml: %s %r -> %r", key, old, new)
-    parent = mlflow_tracking.start_pipeline_run(root, profile, overrides)  # '' when tracking is off
+    parent = start_pipeline_run(root, profile, overrides)  # '' when tracking is off
     record = {"flow_run_id": flow_run.get_id() or "local", "flow_run_name": flow_run.get_name(),
               "profile": profile, "overrides": overrides, "params_changed": [list(c) for c in changes],
               "mlflow_run_id": parent, "status": "RUNNING"}
@@ -110,7 +112,7 @@ def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
         _publish_reports(root, reached, parent)
         status = "FAILED" if failed is not None else "FINISHED"
     finally:
-        mlflow_tracking.end_pipeline_run(parent, status, root)
+        end_pipeline_run(parent, status, root)
         record.update(status=status, stages=results, failure=failed.message if failed is not None else None)
         write_run_record(root, record)
     if failed is not None:
@@ -133,7 +135,7 @@ def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B00
     try:
         with workspace_lock(root, wait_for_lock_s, run=run):
             return _run_locked(root, profile, list(overrides))
-    except (WorkspaceBusy, ParamsError, FileNotFoundError, mlflow_tracking.TrackingError) as err:
+    except (WorkspaceBusy, ParamsError, FileNotFoundError, TrackingError) as err:
         get_run_logger().error("%s", err)
         return Failed(message=str(err))
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tasks.progress import registry_line
+from tasks.common.progress import registry_line
 
 # artifact key -> (stage whose output it shows, file under the workspace root)
 STAGE_REPORTS = {

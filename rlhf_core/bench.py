@@ -18,8 +18,8 @@ from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import RLConfig
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import RewardModelScorer
-from rlhf_core.trainer import RLTrainer
 
 VOCAB_SIZE, PROMPTS, PROMPT_LENGTH, EPISODES_PER_UPDATE = 2048, 512, 48, 64
 

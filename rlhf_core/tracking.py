@@ -56,3 +56,22 @@ class MemoryTracker(NullTracker):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.history.append({"step": step, **metrics})
+
+
+class FanOutTracker(NullTracker):
+    """Hands every call to several trackers (say a JSONL history and an MLflow run)."""
+
+    def __init__(self, *trackers: Tracker):
+        self.trackers = trackers
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        for t in self.trackers:
+            t.log_params(params)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        for t in self.trackers:
+            t.log_metrics(metrics, step)
+
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        for t in self.trackers:
+            t.log_artifact(path, artifact_path)

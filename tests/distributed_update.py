@@ -14,8 +14,8 @@ from rlhf_core.bench import word_tokenizer
 from rlhf_core.config import RLConfig
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
-from rlhf_core.trainer import RLTrainer
 
 GLOBAL_EPISODES, ACCUMULATION = 32, 2
 

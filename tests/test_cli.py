@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tasks.cli import app
+from cli.main import app
 
 BENCH_KEYS = {"algo", "updates", "episodes", "train_s", "episodes_per_s", "peak_rss_mib", "metrics"}
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_pipeline import TINY
 
-from tasks.params import deep_merge, parse_override
+from tasks.common.params import deep_merge, parse_override
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from rlhf_core.evaluation import evaluate, greedy_rollout, sequence_kl
+from rlhf_core.greedy_eval import evaluate, greedy_rollout, sequence_kl
 from rlhf_core.scoring import FunctionScorer
 
 PROMPTS = ["w3 w4 w5", "w6", "w2 w9 w9 w2", "w11 w12"]

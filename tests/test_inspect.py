@@ -11,13 +11,13 @@ from transformers import GPTNeoXForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from typer.testing import CliRunner
 
+from cli.main import app
 from rlhf_core.inspection import InspectionConfig, inspect_reward_model
-from rlhf_core.reward_training import evaluate_reward_model
-from tasks.cli import app
-from tasks.inspect_rm import InspectionFailed
-from tasks.inspect_rm import run as run_stage
-from tasks.params import Params
-from tasks.paths import Paths
+from rlhf_core.reward_trainer import evaluate_reward_model
+from tasks.common.params import Params
+from tasks.common.paths import Paths
+from tasks.stages.inspect import InspectionFailed
+from tasks.stages.inspect import run as run_stage
 
 FAST = InspectionConfig(num_probes=4)
 

@@ -7,8 +7,8 @@ from peft import LoraConfig, get_peft_model
 
 from conftest import target_fraction
 from rlhf_core.config import RLConfig
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
-from rlhf_core.trainer import RLTrainer
 
 
 def test_lora_policy_trains_adapter_only(tokenizer, prompts, make_policy):

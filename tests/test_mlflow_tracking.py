@@ -9,22 +9,14 @@ from pathlib import Path
 import pytest
 from test_pipeline import TINY
 
-from tasks.io import write_json, write_jsonl
-from tasks.mlflow_tracking import (
-    MlflowTracker,
-    TrackingError,
-    end_pipeline_run,
-    experiment_id,
-    file_md5,
-    get_client,
-    iter_runs,
-    run_url,
-    stage_tracker,
-    start_pipeline_run,
-    track_stage,
-)
-from tasks.params import load_params
-from tasks.stages import run_stage
+from flows.pipeline_run import end_pipeline_run, iter_runs, run_url, start_pipeline_run
+from rlhf_core.jsonio import write_json, write_jsonl
+from tasks.common.lineage import file_md5
+from tasks.common.mlflow_store import TrackingError, experiment_id, get_client
+from tasks.common.mlflow_tracker import MlflowTracker
+from tasks.common.params import load_params
+from tasks.common.runner import run_stage
+from tasks.common.stage_tracking import stage_tracker, track_stage
 
 
 def artifacts(client, run_id: str, path: str | None = None) -> set[str]:

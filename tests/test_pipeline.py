@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tasks.cli import app
-from tasks.mlflow_tracking import experiment_id, get_client
-from tasks.params import ParamsError, load_params
+from cli.main import app
+from tasks.common.mlflow_store import experiment_id, get_client
+from tasks.common.params import ParamsError, load_params
 from tasks.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent

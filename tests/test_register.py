@@ -10,12 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cli.main import app
 from rlhf_core.models import load_policy
-from tasks.cli import app
-from tasks.mlflow_tracking import get_client, tracking_uri
-from tasks.params import RegisterParams
-from tasks.register import RegisterError, current_user, decide, read_eval
-from tasks.stages import run_stage
+from tasks.common.mlflow_store import get_client, tracking_uri
+from tasks.common.params import RegisterParams
+from tasks.common.runner import run_stage
+from tasks.stages.register import RegisterError, current_user, decide, read_eval
 
 NAME = "rlhf-policy"
 

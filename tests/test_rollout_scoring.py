@@ -11,9 +11,9 @@ from conftest import target_fraction
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
 from rlhf_core.metrics import MetricAccumulator
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.rollout import Rollout, left_pad, position_ids, sample_responses, stop_mask
 from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer
-from rlhf_core.trainer import RLTrainer
 
 
 def make_batch(queries, query_mask, responses, stop_token_id=1):

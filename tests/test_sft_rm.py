@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
-from rlhf_core.reward_training import (
+from rlhf_core.reward_trainer import (
     RewardConfig,
     encode_pairs,
     evaluate_reward_model,
@@ -18,7 +18,7 @@ from rlhf_core.reward_training import (
 )
 from rlhf_core.rollout import Rollout, backbone_hidden, left_pad
 from rlhf_core.scoring import RewardModelScorer
-from rlhf_core.sft import (
+from rlhf_core.sft_trainer import (
     IGNORE_INDEX,
     SFTConfig,
     encode_sft,

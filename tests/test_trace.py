@@ -11,11 +11,11 @@ import torch
 from conftest import target_fraction
 from rlhf_core import ops
 from rlhf_core.config import RLConfig
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
 from rlhf_core.trace import trace_due, trace_update
-from rlhf_core.trainer import RLTrainer
-from tasks.params import Params
-from tasks.train import _prune_traces, _trace_writer
+from tasks.common.params import Params
+from tasks.stages.train import _prune_traces, _trace_writer
 
 SMALL = dict(total_episodes=32, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_epochs=1,
              local_rollout_forward_batch_size=16, response_length=6, temperature=1.0, kl_coef=0.1,

@@ -7,9 +7,9 @@ import torch
 
 from conftest import TINY_VOCAB, target_fraction
 from rlhf_core.config import RLConfig
+from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.scoring import FunctionScorer
 from rlhf_core.tracking import MemoryTracker
-from rlhf_core.trainer import RLTrainer, list_checkpoints
 
 
 def tiny_config(algo: str, **overrides) -> RLConfig:

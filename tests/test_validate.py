@@ -14,8 +14,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from tasks.cli import app
-from tasks.validate import ValidationFailed, check_file
+from cli.main import app
+from tasks.stages.validate import ValidationFailed, check_file
 
 REPO = Path(__file__).resolve().parent.parent
 GOOD = {  # texts of the word tokenizer (one token per word); budgets below: prompt 4, completions 3 tokens
@@ -159,7 +159,7 @@ TINY_WORLD = [
 
 
 def test_stage_passes_the_demo_data_and_fails_on_a_leaked_prompt(workspace):
-    from tasks.stages import run_stage
+    from tasks.common.runner import run_stage
 
     shutil.copy(REPO / "params.yaml", workspace / "params.yaml")
     run_stage("prepare", workspace, overrides=TINY_WORLD)

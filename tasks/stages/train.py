@@ -11,18 +11,18 @@ import json
 import shutil
 from pathlib import Path
 
+from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
-from rlhf_core.reward_training import reward_model_from_policy
+from rlhf_core.reward_trainer import reward_model_from_policy
+from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker
-from rlhf_core.trainer import RLTrainer, list_checkpoints
-from tasks.common import save_model
-from tasks.io import read_jsonl, write_json, write_jsonl
-from tasks.mlflow_tracking import stage_tracker
-from tasks.params import Params
-from tasks.paths import Paths
-from tasks.progress import ProgressTracker, progress_bar
+from tasks.common.models import save_model
+from tasks.common.params import Params
+from tasks.common.paths import Paths
+from tasks.common.progress import ProgressTracker, progress_bar
+from tasks.common.stage_tracking import stage_tracker
 
 HISTORY = "train_history.jsonl"
 TRACE_DIR = "trace"
@@ -60,7 +60,7 @@ def _trace_writer(params: Params, tokenizer, out: Path):
         update = trainer.state.update
         if not trace_due(update, trainer.plan.num_updates, every):
             return
-        from tasks.plots import plot_trace
+        from tasks.common.plots import plot_trace
 
         trace = trace_update(batch, stats, cfg, update=update, decode=tokenizer.decode, rollouts=rollouts)
         write_json(out / f"update-{update:04d}.json", trace)

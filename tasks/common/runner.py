@@ -1,31 +1,27 @@
-"""The pipeline's stages by name, in order; `rlhf stage NAME` and dvc.yaml call them through here."""
+"""Run one stage by name in a workspace: params loaded and validated once, the stage inside its MLflow run.
+
+`rlhf stage NAME` (what dvc.yaml calls) comes here.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tasks.mlflow_tracking import track_stage
-from tasks.params import load_params
-from tasks.paths import Paths
-
-STAGES = {  # name -> module with `run(params, paths) -> dict`
-    "prepare": "tasks.prepare",
-    "validate": "tasks.validate",
-    "sft": "tasks.sft",
-    "reward-model": "tasks.reward_model",
-    "inspect": "tasks.inspect_rm",
-    "train": "tasks.train",
-    "evaluate": "tasks.evaluate",
-    "register": "tasks.register",
-}
+from tasks.common.params import load_params
+from tasks.common.paths import Paths
+from tasks.common.stage_tracking import track_stage
+from tasks.stages import STAGES
 
 
 def run_stage(name: str, root: str | Path = ".", profile: str | None = None, overrides: Sequence[str] = ()) -> dict:
     if name not in STAGES:
-        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+        close = difflib.get_close_matches(name, STAGES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown stage {name!r}{hint}; stages: {', '.join(STAGES)}")
     params = load_params(root, profile, list(overrides))
     module = importlib.import_module(STAGES[name])
 

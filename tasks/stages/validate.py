@@ -17,11 +17,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.sources import SourceError, load_rows
-from tasks.expectations import TokenBudget, build_suite, entry, run_suites, text_columns, with_token_counts
-from tasks.io import atomic_path, write_json
-from tasks.params import Params, ParamsError, load_params
-from tasks.paths import SPLITS, Paths
+from tasks.common.gx_suites import (
+    TokenBudget,
+    build_suite,
+    entry,
+    run_suites,
+    text_columns,
+    with_token_counts,
+)
+from tasks.common.params import Params, ParamsError, load_params
+from tasks.common.paths import SPLITS, Paths
 
 SPLIT_KINDS = {"sft": "sft", "prefs": "preferences", "prompts": "prompts"}  # split name prefix -> kind
 REPORT_DIR = "validation"  # under reports/

@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.models import load_tokenizer
 from rlhf_core.sources import load_rows
 from rlhf_core.world import build_world, train_tokenizer
-from tasks.io import atomic_path, write_json, write_jsonl
-from tasks.params import Params, PrepareParams
-from tasks.paths import SPLITS, Paths
+from tasks.common.params import Params, PrepareParams
+from tasks.common.paths import SPLITS, Paths
 
 SCHEMA = {"sft": ("prompt", "completion"), "prefs": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
 # Column names used by public TL;DR-style datasets, mapped to ours.

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from rlhf_core.evaluation import decode_responses, greedy_rollout
+from rlhf_core.greedy_eval import decode_responses, greedy_rollout
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rollout import position_ids
 

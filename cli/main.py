@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from tasks.models_cli import app as models_app
+from cli.models import app as models_app
 
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -55,11 +55,11 @@ Profile = Annotated[str | None, typer.Option(help="Profile overriding params.yam
 def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | inspect | train | evaluate | register")],
           profile: Profile = None, overrides: Overrides = None) -> None:
     """Run one pipeline stage in this workspace (what dvc.yaml calls)."""
-    from tasks.inspect_rm import InspectionFailed
-    from tasks.mlflow_tracking import TrackingError
-    from tasks.register import RegisterError
-    from tasks.stages import run_stage
-    from tasks.validate import ValidationFailed
+    from tasks.common.mlflow_store import TrackingError
+    from tasks.common.runner import run_stage
+    from tasks.stages.inspect import InspectionFailed
+    from tasks.stages.register import RegisterError
+    from tasks.stages.validate import ValidationFailed
 
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
@@ -81,8 +81,8 @@ def run(profile: Profile = None, overrides: Overrides = None,
     from pathlib import Path
 
     from flows.prefect_env import use_local_prefect
-    from tasks.params import ParamsError, load_params
-    from tasks.progress import quiet_libraries
+    from tasks.common.params import ParamsError, load_params
+    from tasks.common.progress import quiet_libraries
 
     root = Path.cwd()
     try:  # fail on a bad key at once, before Prefect starts
@@ -93,8 +93,8 @@ def run(profile: Profile = None, overrides: Overrides = None,
     use_local_prefect(root)
     quiet_libraries()
     from flows.pipeline import rlhf_pipeline
-    from tasks.mlflow_tracking import tracking_enabled, tracking_uri
-    from tasks.progress import print_run_summary
+    from tasks.common.mlflow_store import tracking_enabled, tracking_uri
+    from tasks.common.progress import print_run_summary
 
     state = rlhf_pipeline(profile=profile, overrides=overrides or [], wait_for_lock_s=wait, return_state=True)
     if not state.is_completed():
@@ -119,7 +119,7 @@ def serve() -> None:
         raise typer.Exit(2)
     from flows.deployments import serve_deployments
     from flows.prefect_env import use_local_prefect
-    from tasks.progress import quiet_libraries
+    from tasks.common.progress import quiet_libraries
 
     use_local_prefect(Path.cwd())
     quiet_libraries()
@@ -148,7 +148,7 @@ def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .
 
     Exit status: 0 passed, 1 some expectation failed, 2 the file (or tokenizer) could not be read.
     """
-    from tasks.validate import ValidateError, check_file, summary_markdown
+    from tasks.stages.validate import ValidateError, check_file, summary_markdown
 
     try:
         report = check_file(path, kind.value, tokenizer, max_prompt_tokens, max_completion_tokens)
@@ -182,7 +182,7 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
     from pathlib import Path
 
     from rlhf_core.inspection import InspectionConfig
-    from tasks.inspect_rm import inspect_model, summary_markdown, write_report
+    from tasks.stages.inspect import inspect_model, summary_markdown, write_report
 
     try:
         report = inspect_model(model, InspectionConfig(), pairs=pairs and Path(pairs),
@@ -209,7 +209,7 @@ app.add_typer(models_app, name="models")  # rlhf models list | compare | promote
 def main() -> None:
     from transformers.utils import logging as hf_logging
 
-    from tasks.progress import quiet_libraries
+    from tasks.common.progress import quiet_libraries
 
     quiet_libraries()
 

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 from rlhf_core.inspection import InspectionConfig, inspect_reward_model
+from rlhf_core.jsonio import atomic_path, read_jsonl, write_json
 from rlhf_core.models import load_scorer_model, load_tokenizer
-from tasks.io import atomic_path, read_jsonl, write_json
-from tasks.params import Params
-from tasks.paths import Paths
+from tasks.common.params import Params
+from tasks.common.paths import Paths
 
 REPORT_DIR = Path("reports") / "inspection"
 
@@ -53,7 +53,7 @@ def read_rows(path: Path | None, columns: tuple[str, ...]) -> list[dict]:
 
 def write_report(report: dict, out: Path) -> None:
     """report.json, summary.md and, when texts were scored, scores.png."""
-    from tasks.plots import plot_inspection
+    from tasks.common.plots import plot_inspection
 
     write_json(out / "report.json", report)
     with atomic_path(out / "summary.md") as tmp:

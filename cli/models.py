@@ -20,7 +20,7 @@ HEADLINE = ("win_rate_rm", "win_rate_gold", "mean_kl", "mean_score_rm", "mean_sc
 def _model_name(name: str | None) -> str:
     if name:
         return name
-    from tasks.params import load_params
+    from tasks.common.params import load_params
 
     return load_params(".").register.model_name
 
@@ -41,13 +41,13 @@ def _versions(client, name: str) -> list:
 
 
 def _uri() -> str:
-    from tasks.mlflow_tracking import tracking_uri
+    from tasks.common.mlflow_store import tracking_uri
 
     return tracking_uri(".")
 
 
 def _client():
-    from tasks.mlflow_tracking import TrackingError, get_client
+    from tasks.common.mlflow_store import TrackingError, get_client
 
     try:
         return get_client(".")
@@ -130,7 +130,7 @@ def promote_version(version: Annotated[str, typer.Argument(help="The version to 
                     reason: Annotated[str, typer.Option(help="Why, recorded on the version")] = "promoted by hand",
                     ) -> None:
     """Move the champion alias to VERSION, recording who promoted it, when and why."""
-    from tasks.register import current_user, promote
+    from tasks.stages.register import current_user, promote
 
     client, name = _client(), _model_name(name)
     known = {str(v.version) for v in _versions(client, name)}

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from rlhf_core.jsonio import read_jsonl, write_json
 from rlhf_core.models import load_policy, load_tokenizer
-from rlhf_core.sft import evaluate_sft, train_sft
-from tasks.common import gold_fn, save_model, tiny_policy
-from tasks.io import read_jsonl, write_json
-from tasks.params import Params
-from tasks.paths import Paths
-from tasks.progress import epoch_callback, progress_bar
+from rlhf_core.sft_trainer import evaluate_sft, train_sft
+from tasks.common.models import gold_fn, save_model, tiny_policy
+from tasks.common.params import Params
+from tasks.common.paths import Paths
+from tasks.common.progress import epoch_callback, progress_bar
 
 
 def run(params: Params, paths: Paths) -> dict:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from rlhf_core.jsonio import read_jsonl, write_json
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
-from rlhf_core.reward_training import (
+from rlhf_core.reward_trainer import (
     evaluate_reward_model,
     reward_model_from_policy,
     train_reward_model,
 )
 from rlhf_core.world import gold_reward, misstated_pairs
-from tasks.common import save_model, tiny_reward_model
-from tasks.io import read_jsonl, write_json
-from tasks.params import Params
-from tasks.paths import Paths
-from tasks.progress import epoch_callback, progress_bar
+from tasks.common.models import save_model, tiny_reward_model
+from tasks.common.params import Params
+from tasks.common.paths import Paths
+from tasks.common.progress import epoch_callback, progress_bar
 
 
 def run(params: Params, paths: Paths) -> dict:

@@ -16,8 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rlhf_core.config import RLConfig
 from rlhf_core.inspection import InspectionConfig
-from rlhf_core.reward_training import RewardConfig
-from rlhf_core.sft import SFTConfig
+from rlhf_core.reward_trainer import RewardConfig
+from rlhf_core.sft_trainer import SFTConfig
 from rlhf_core.world import WorldConfig
 
 PARAMS_FILE = "params.yaml"

@@ -3,16 +3,16 @@ model and, in the demo world, by the gold reward; metrics, a per-example table a
 
 from __future__ import annotations
 
-from rlhf_core.evaluation import evaluate
+from rlhf_core.greedy_eval import evaluate
+from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.scoring import RewardModelScorer
-from tasks.common import gold_fn
-from tasks.io import read_jsonl, write_json, write_jsonl
-from tasks.params import Params
-from tasks.paths import Paths
-from tasks.plots import plot_evaluation
-from tasks.progress import count_callback, progress_bar
-from tasks.train import HISTORY
+from tasks.common.models import gold_fn
+from tasks.common.params import Params
+from tasks.common.paths import Paths
+from tasks.common.plots import plot_evaluation
+from tasks.common.progress import count_callback, progress_bar
+from tasks.stages.train import HISTORY
 
 
 def run(params: Params, paths: Paths) -> dict:

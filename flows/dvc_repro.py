@@ -1,7 +1,7 @@
 """Run one stage of dvc.yaml through DVC, in a subprocess, the way `dvc repro --single-item NAME` does.
 
 A Prefect run and a `dvc repro` thus share the same dvc.lock, cache and skipping of unchanged stages. The
-subprocess (`python -m flows.dvc_stage NAME RESULT_JSON`) calls DVC's API rather than its CLI so that it
+subprocess (`python -m flows.dvc_repro NAME RESULT_JSON`) calls DVC's API rather than its CLI so that it
 can say whether the stage ran or was skipped without parsing messages. Its output (the stage's own, with
 its progress bars) is relayed to this process's stdout as it comes and kept in a log file, whose tail
 names the failure when the stage fails.
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import yaml
-
 # Failures a retry can fix: DVC's lock held by a manual `dvc repro`, the OOM killer, a flaky hub download.
 TRANSIENT_MARKERS = ("Unable to acquire lock", "exited with -9", "exited with 137", "ConnectionError",
                      "Connection reset", "Read timed out", "Temporary failure in name resolution",
@@ -32,20 +30,14 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 @dataclass(frozen=True)
-class StageRun:
+class ReproResult:
+    """How one `dvc repro --single-item` of a stage went."""
+
     name: str
     returncode: int
     ran: bool  # False: DVC found it unchanged and skipped it
     seconds: float
     log: Path
-
-
-def stage_names(root: str | Path) -> list[str]:
-    """The stages of dvc.yaml in the order the file lists them."""
-    path = Path(root) / "dvc.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run the pipeline from the repository root")
-    return list((yaml.safe_load(path.read_text()) or {}).get("stages", {}))
 
 
 def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
@@ -58,7 +50,7 @@ def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
 
 
 def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
-                echo: BinaryIO | None = None) -> StageRun:
+                echo: BinaryIO | None = None) -> ReproResult:
     """Reproduce stage `name` (if changed) with `root` as the working directory; output to `log` (+ `echo`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     fd, result_file = tempfile.mkstemp(prefix=f"rlhf-{name}-", suffix=".json")
@@ -66,7 +58,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
     start = time.monotonic()
     try:
         with log.open("wb") as out, subprocess.Popen(
-                [sys.executable, "-m", "flows.dvc_stage", name, result_file], cwd=root, env=dict(env),
+                [sys.executable, "-m", "flows.dvc_repro", name, result_file], cwd=root, env=dict(env),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
             for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # read1: relay redraws as they come
                 out.write(chunk)
@@ -77,7 +69,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
         ran = bool(json.loads(text)["ran"]) if text else False
     finally:
         Path(result_file).unlink(missing_ok=True)
-    return StageRun(name, proc.returncode, ran, time.monotonic() - start, log)
+    return ReproResult(name, proc.returncode, ran, time.monotonic() - start, log)
 
 
 def clean_lines(raw: str) -> list[str]:
@@ -103,7 +95,7 @@ def _error_chain(err: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m flows.dvc_stage NAME RESULT_JSON`: reproduce NAME; write {"ran": bool} to RESULT_JSON."""
+    """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool} to RESULT_JSON."""
     name, result_file = argv
     from dvc.exceptions import DvcException
     from dvc.repo import Repo

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tasks.io import write_json
-from tasks.mlflow_tracking import StageRun, current_stage_run, numeric
-from tasks.params import Params, RegisterParams
-from tasks.paths import Paths
+from rlhf_core.jsonio import write_json
+from tasks.common.mlflow_tracker import numeric
+from tasks.common.params import Params, RegisterParams
+from tasks.common.paths import Paths
+from tasks.common.stage_tracking import MlflowStageRun, current_stage_run
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 EVAL_TAG = "eval."  # version tags eval.<metric>: the figures of metrics/eval.json the version was gated on
@@ -110,7 +111,7 @@ def _pip_requirements(peft: bool) -> list[str]:
     return [f"{name}=={version(name).split('+')[0]}" for name in names]
 
 
-def log_policy(run: StageRun, policy_dir: Path, model_name: str, card: str) -> str:
+def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str) -> str:
     """Log the policy with the transformers flavor into the stage's run, register it; returns the version.
 
     A LoRA policy (an adapter dir) is logged as a PEFT model with `base_model_path`, which mlflow needs to

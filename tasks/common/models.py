@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf_core.jsonio import atomic_path
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
 from rlhf_core.world import gold_reward
-from tasks.io import atomic_path
-from tasks.params import Params
+from tasks.common.params import Params
 
 
 def gold_fn(params: Params):

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from tasks.io import atomic_path  # noqa: E402
+from rlhf_core.jsonio import atomic_path  # noqa: E402
 
 
 def _save(fig, target: Path) -> None:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from rlhf_core.scoring import last_token_scores
-from rlhf_core.sft import Batch, Progress, Row, SupervisedConfig, TrainResult, fit, right_pad
+from rlhf_core.sft_trainer import Batch, Progress, Row, SupervisedConfig, TrainResult, fit, right_pad
 
 PairGoldFn = Callable[[str, str], float]
 """(prompt, completion) -> gold reward, like `rlhf_core.world.gold_reward`."""

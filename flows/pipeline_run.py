@@ -1,0 +1,88 @@
+"""The MLflow run of one pipeline run (the flow's parent of the stage runs): opened with the resolved
+params and overrides, closed with dvc.lock, metrics/*.json and the headline metrics lifted onto it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from tasks.common.lineage import lineage_tags
+from tasks.common.mlflow_store import LOCAL_UI_ENV, experiment_id, get_client, tracking_enabled, tracking_uri
+from tasks.common.mlflow_tracker import MlflowTracker
+from tasks.common.params import load_params
+
+log = logging.getLogger(__name__)
+
+# Prefect state names the flow may pass to end_pipeline_run, mapped to MLflow run statuses
+_STATUS = {"COMPLETED": "FINISHED", "SUCCESS": "FINISHED", "CANCELLED": "KILLED", "CRASHED": "FAILED"}
+
+
+def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[str]) -> str:
+    """Open the parent run of one pipeline run and return its id ('' when tracking is off).
+
+    Params: the resolved parameters flattened (`train.kl_coef`, ...) and `overrides` verbatim. Tags:
+    lineage (git commit, dirty flag, profile, dvc.lock md5) and the overrides. Creates the store and
+    the experiment, so the stage processes that follow never race to create them."""
+    if not tracking_enabled():
+        return ""
+
+    root = Path(root).resolve()
+    params = load_params(root, profile, list(overrides))
+    client = get_client(root)
+    tags = {**lineage_tags(root, params.base.profile), "rlhf.kind": "pipeline", "rlhf.root": str(root),
+            "rlhf.overrides": json.dumps(list(overrides))}
+    run = client.create_run(experiment_id(client, root), run_name=f"pipeline-{params.base.profile}", tags=tags)
+    MlflowTracker(client, run.info.run_id).log_params({**params.model_dump(mode="json"),
+                                                       "overrides": json.dumps(list(overrides))})
+    return run.info.run_id
+
+
+def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
+    """Close the parent run: attach dvc.lock and metrics/*.json, lift the headline metrics onto it (so
+    the runs table shows them), and set its status (MLflow's or Prefect's state names)."""
+    if not run_id or not tracking_enabled():
+        return
+    client = get_client(root)
+    tracker = MlflowTracker(client, run_id)
+    try:
+        root = Path(client.get_run(run_id).data.tags.get("rlhf.root", root))
+    except Exception as err:
+        log.warning("MLflow run %s not found (%s); nothing to close", run_id, err)
+        return
+    if (root / "dvc.lock").is_file():
+        tracker.log_artifact(root / "dvc.lock")
+    for file in sorted((root / "metrics").glob("*.json")):
+        tracker.log_artifact(file, "metrics")
+        if file.stem in ("eval", "register"):
+            try:
+                tracker.log_metrics({f"{file.stem}/{k}": v for k, v in json.loads(file.read_text()).items()}, 0)
+            except (ValueError, AttributeError) as err:
+                log.warning("%s is not a JSON object of metrics (%s)", file, err)
+    tracker.close()
+    state = status.strip().upper()
+    tracker.safely("end run", client.set_terminated, run_id, _STATUS.get(state, state))
+
+
+def run_url(run_id: str, root: str | Path = ".") -> str | None:
+    """A link to the run in the MLflow UI: the server's, or the one `mlflow ui` serves for a local store
+    (http://127.0.0.1:5000 unless RLHF_MLFLOW_UI says otherwise)."""
+    if not run_id or not tracking_enabled():
+        return None
+    uri = tracking_uri(root)
+    try:
+        exp = get_client(root).get_run(run_id).info.experiment_id
+    except Exception:
+        return None
+    base = uri if uri.startswith(("http://", "https://")) else os.environ.get(LOCAL_UI_ENV, "http://127.0.0.1:5000")
+    return f"{base.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+
+
+def iter_runs(root: str | Path, parent_run_id: str) -> Iterator:
+    """The stage runs nested under a pipeline run, oldest first."""
+    client = get_client(root)
+    parent = client.get_run(parent_run_id)
+    yield from client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                  order_by=["attributes.start_time ASC"])

@@ -1,0 +1,164 @@
+"""The MLflow run of one stage: opened before the stage with its params and lineage tags, closed after it
+with its metrics, reports and dvc.lock (FAILED, with the traceback, when the stage raises).
+
+Run ids are passed explicitly (`MlflowClient`); MLflow's per-thread active run is never used, so stages run
+inside Prefect tasks or DVC subprocesses log to the right run. A stage run nests under the pipeline run named
+by `RLHF_PARENT_RUN_ID` (the flow sets it for the DVC subprocesses), else it is a standalone run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import field
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.jsonio import read_jsonl
+from rlhf_core.tracking import FanOutTracker, Tracker
+from tasks.common.dvc_yaml import entry_paths, stage_entry
+from tasks.common.lineage import data_hashes, lineage_tags
+from tasks.common.mlflow_store import (
+    PARENT_RUN_ENV,
+    TRACKING_ENV,
+    TrackingError,
+    asked_for_tracking,
+    experiment_id,
+    get_client,
+    tracking_enabled,
+    tracking_uri,
+)
+from tasks.common.mlflow_tracker import MlflowTracker, numeric
+
+log = logging.getLogger(__name__)
+
+MAX_TABLE_ROWS = 5000
+
+
+class MlflowStageRun:
+    """The MLflow run of the stage in progress."""
+
+    client: Any
+    run_id: str
+    experiment_id: str
+    uri: str
+    tracker: MlflowTracker = field(init=False)
+
+    def __post_init__(self):
+        self.tracker = MlflowTracker(self.client, self.run_id)
+
+
+_current: ContextVar[MlflowStageRun | None] = ContextVar("rlhf_stage_run", default=None)
+
+
+def current_stage_run() -> MlflowStageRun | None:
+    """The MLflow run of the stage running in this context (None when tracking is off)."""
+    return _current.get()
+
+
+def stage_tracker(*local: Tracker) -> Tracker:
+    """`local` trackers plus the running stage's MLflow tracker, as one Tracker."""
+    run = _current.get()
+    return FanOutTracker(*local, run.tracker) if run is not None else FanOutTracker(*local)
+
+
+def _section(params, stage: str) -> dict:
+    """The stage's own params section (plus base), as a plain dict."""
+    dumped = params.model_dump(mode="json")
+    own = stage.replace("-", "_")
+    return {"base": dumped["base"], **({own: dumped[own]} if own in dumped else {})}
+
+
+def _open_stage_run(name: str, root: Path, params) -> MlflowStageRun:
+    client = get_client(root)
+    parent_id = os.environ.get(PARENT_RUN_ENV, "").strip()
+    tags = {**lineage_tags(root, params.base.profile), **data_hashes(root, name), "rlhf.stage": name}
+    if parent_id:
+        try:
+            exp = client.get_run(parent_id).info.experiment_id
+        except Exception as err:
+            raise TrackingError(f"{PARENT_RUN_ENV}={parent_id}: no such MLflow run in {tracking_uri(root)} "
+                                f"({err}); unset it to log a standalone stage run") from err
+        tags["mlflow.parentRunId"] = parent_id
+    else:
+        exp = experiment_id(client, root)
+    run = client.create_run(exp, run_name=name, tags=tags)
+    stage_run = MlflowStageRun(client, run.info.run_id, exp, tracking_uri(root))
+    stage_run.tracker.log_params(_section(params, name))
+    return stage_run
+
+
+def _log_outputs(run: MlflowStageRun, root: Path, name: str) -> None:
+    """The stage's reports and metrics files (its dvc.yaml outs, metrics and plots under reports/ and
+    metrics/), JSONL reports also as MLflow tables, and dvc.lock."""
+    tracker = run.tracker
+    for out in entry_paths(stage_entry(root, name), "outs", "metrics", "plots"):
+        path = root / out
+        if not out.startswith(("reports/", "metrics/")) or not path.exists():
+            continue
+        if path.is_dir():
+            tracker.safely("log artifacts", run.client.log_artifacts, run.run_id, str(path), out)
+            for table in sorted(path.rglob("*.jsonl")):
+                _log_table(run, table, f"tables/{table.relative_to(root).with_suffix('.json').as_posix()}")
+        else:
+            tracker.log_artifact(path, str(Path(out).parent))
+    if (root / "dvc.lock").is_file():
+        tracker.log_artifact(root / "dvc.lock")
+
+
+def _log_table(run: MlflowStageRun, path: Path, artifact_file: str) -> None:
+    import pandas as pd
+
+
+    def log() -> None:
+        rows = read_jsonl(path)[:MAX_TABLE_ROWS]
+        run.client.log_table(run.run_id, data=pd.DataFrame(rows), artifact_file=artifact_file)
+
+    run.tracker.safely("log table", log)
+
+
+def _close_stage_run(run: MlflowStageRun, root: Path, name: str, metrics: Mapping[str, Any], status: str,
+                     error: str | None = None) -> None:
+    # the stage's result, but not again where the stage logged a history (train's per-update metrics)
+    summary = {k: v for k, v in numeric(metrics).items() if k not in run.tracker.logged}
+    if summary:
+        run.tracker.log_metrics(summary, step=run.tracker.last_step)
+    run.tracker.close()
+    _log_outputs(run, root, name)
+    if error:
+        run.tracker.safely("log error", run.client.log_text, run.run_id, error, "error.txt")
+    run.tracker.safely("end run", run.client.set_terminated, run.run_id, status)
+
+
+def track_stage(name: str, root: str | Path, params, work: Callable[[], dict]) -> dict:
+    """Run `work()` (the stage) inside its MLflow run: params before, metrics and reports after; the run
+    ends FAILED with the traceback as `error.txt` when the stage raises."""
+    if not tracking_enabled():
+        return work()
+    root = Path(root).resolve()
+    try:
+        run = _open_stage_run(name, root, params)
+    except Exception as err:
+        if asked_for_tracking():  # a server or parent run the user named: fail now, before any work
+            if isinstance(err, TrackingError):
+                raise
+            raise TrackingError(f"MLflow at {tracking_uri(root)}: {err}. Unset MLFLOW_TRACKING_URI to track into "
+                                f"the local store, or set {TRACKING_ENV}=off") from err
+        # the default local store is ours to manage: run the stage untracked rather than not at all
+        log.warning("MLflow tracking unavailable (%s); stage %s runs untracked", err, name)
+        return work()
+    token = _current.set(run)
+    try:
+        metrics = work()
+    except BaseException as err:
+        status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+        _close_stage_run(run, root, name, {}, status, traceback.format_exc())
+        raise
+    finally:
+        _current.reset(token)
+    _close_stage_run(run, root, name, metrics, "FINISHED")
+    return metrics
+
