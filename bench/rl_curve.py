@@ -16,12 +16,11 @@ import time
 
 from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_jsonl
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
-from rlhf_core.rl_trainer import RLTrainer
-from rlhf_core.scoring import RewardModelScorer
-from rlhf_core.world import gold_reward
+from rlhf_core.models import load_policy
+from tasks.common.gold import gold_fn
 from tasks.common.params import load_params
 from tasks.common.paths import Paths
+from tasks.stages.train import build_trainer
 
 SHOWN = ("win_rate_rm", "win_rate_gold", "mean_kl", "mean_score_gold", "ref_mean_score_gold", "eos_rate",
          "mean_length")
@@ -34,24 +33,16 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value")
     args = parser.parse_args()
     params, paths = load_params(args.workspace, overrides=args.overrides), Paths.at(args.workspace)
-    cfg = params.rl_config()
-    tokenizer = load_tokenizer(paths.sft_model)
-    reward = RewardModelScorer(load_scorer_model(paths.reward_model))
-    value = load_scorer_model(paths.reward_model) if cfg.algo == "ppo" else None
-    texts = [r["prompt"] for r in read_jsonl(paths.split("prompts_train"))]
-    prompts = [ids[-params.prepare.max_prompt_tokens:]
-               for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    trainer, tokenizer = build_trainer(params, paths)  # exactly the train stage's trainer
+    reference = trainer.ref_policy or load_policy(paths.sft_model)  # a LoRA policy keeps no frozen copy
     eval_prompts = [r["prompt"] for r in read_jsonl(paths.split("prompts_eval"))][:params.evaluate.num_prompts]
-    reference = load_policy(paths.sft_model)
-    trainer = RLTrainer(cfg, load_policy(paths.sft_model), reward, prompts, pad_token_id=tokenizer.pad_token_id,
-                        stop_token_id=tokenizer.eos_token_id, value_model=value, ref_policy=reference)
     start = time.perf_counter()
     while trainer.state.update < trainer.plan.num_updates:
         history = trainer.train(max_updates=args.every)
         train_s = time.perf_counter() - start
-        report = evaluate(trainer.unwrapped.policy, reference, tokenizer, eval_prompts, scorer=reward,
-                          response_length=params.evaluate.response_length, temperature=cfg.temperature,
-                          gold=gold_reward if params.prepare.source == "world" else None,
+        report = evaluate(trainer.unwrapped.policy, reference, tokenizer, eval_prompts,
+                          scorer=trainer.scorer, response_length=params.evaluate.response_length,
+                          temperature=trainer.cfg.temperature, gold=gold_fn(params),
                           batch_size=params.evaluate.batch_size)
         trainer.unwrapped.policy.train()
         print(json.dumps({"update": trainer.state.update, "train_s": round(train_s),

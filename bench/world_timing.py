@@ -22,10 +22,13 @@ import time
 
 import torch
 
+from rlhf_core.config import RewardConfig, SFTConfig
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
-from rlhf_core.reward_trainer import RewardConfig, train_reward_model
-from rlhf_core.sft_trainer import SFTConfig, evaluate_sft, train_sft
-from rlhf_core.world import build_world, gold_reward, train_tokenizer
+from rlhf_core.reward_trainer import train_reward_model
+from rlhf_core.sft_trainer import evaluate_sft, train_sft
+from rlhf_core.world.generator import build_world
+from rlhf_core.world.gold import gold_reward
+from rlhf_core.world.tokenizer import train_tokenizer
 
 RESPONSE_LENGTH = 24  # RLConfig.response_length: the budget a policy has to emit EOS in RL
 

@@ -181,7 +181,7 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
     """
     from pathlib import Path
 
-    from rlhf_core.inspection import InspectionConfig
+    from rlhf_core.config import InspectionConfig
     from tasks.stages.inspect import inspect_model, summary_markdown, write_report
 
     try:

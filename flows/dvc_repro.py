@@ -9,7 +9,6 @@ names the failure when the stage fails.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from rlhf_core.jsonio import read_json_object, write_json
 
 # Failures a retry can fix: DVC's lock held by a manual `dvc repro`, the OOM killer, a flaky hub download.
 TRANSIENT_MARKERS = ("Unable to acquire lock", "exited with -9", "exited with 137", "ConnectionError",
@@ -65,8 +66,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
                 if echo is not None:
                     echo.write(chunk)
                     echo.flush()
-        text = Path(result_file).read_text()
-        ran = bool(json.loads(text)["ran"]) if text else False
+        ran = bool((read_json_object(result_file) or {}).get("ran", False))
     finally:
         Path(result_file).unlink(missing_ok=True)
     return ReproResult(name, proc.returncode, ran, time.monotonic() - start, log)
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     except DvcException as err:
         print(f"dvc: {_error_chain(err)}", file=sys.stderr)
         return 1
-    Path(result_file).write_text(json.dumps({"ran": bool(ran)}))
+    write_json(result_file, {"ran": bool(ran)})
     return 0
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from rlhf_core.jsonio import read_json_object
+
 LOCK_FILE = ".dvc/tmp/rlhf-pipeline.lock"  # .dvc/tmp is git-ignored by DVC and local to the workspace
 
 
@@ -36,9 +38,8 @@ def _holder_file(lock: Path) -> Path:
 
 def describe_holder(root: str | Path) -> str:
     """Who holds the lock, as its holder recorded it: pid, host, start time, run."""
-    try:
-        holder = json.loads(_holder_file(lock_path(root)).read_text())
-    except (OSError, ValueError):
+    holder = read_json_object(_holder_file(lock_path(root)))
+    if holder is None:
         return "an unknown process (no holder record)"
     run = f", {holder['run']}" if holder.get("run") else ""
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}{run}"

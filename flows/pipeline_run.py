@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from rlhf_core.jsonio import read_json_object
 from tasks.common.lineage import lineage_tags
 from tasks.common.mlflow_store import LOCAL_UI_ENV, experiment_id, get_client, tracking_enabled, tracking_uri
 from tasks.common.mlflow_tracker import MlflowTracker
@@ -57,10 +58,11 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
     for file in sorted((root / "metrics").glob("*.json")):
         tracker.log_artifact(file, "metrics")
         if file.stem in ("eval", "register"):
-            try:
-                tracker.log_metrics({f"{file.stem}/{k}": v for k, v in json.loads(file.read_text()).items()}, 0)
-            except (ValueError, AttributeError) as err:
-                log.warning("%s is not a JSON object of metrics (%s)", file, err)
+            figures = read_json_object(file)
+            if figures is None:
+                log.warning("%s is not a JSON object of metrics", file)
+            else:
+                tracker.log_metrics({f"{file.stem}/{k}": v for k, v in figures.items()}, 0)
     tracker.close()
     state = status.strip().upper()
     tracker.safely("end run", client.set_terminated, run_id, _STATUS.get(state, state))

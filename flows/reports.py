@@ -5,10 +5,10 @@ the reports of the stages it has."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.jsonio import read_json_object, read_jsonl
 from tasks.common.progress import registry_line
 
 # artifact key -> (stage whose output it shows, file under the workspace root)
@@ -33,14 +33,6 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
-def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def run_parameters(profile: str, overrides: list[str], changes: list[tuple[str, Any, Any]], record: Path) -> str:
     lines = [f"# Run parameters\n\nprofile: `{profile}`\n\noverrides: "
              + (", ".join(f"`{o}`" for o in overrides) if overrides else "none")]
@@ -55,18 +47,17 @@ def run_parameters(profile: str, overrides: list[str], changes: list[tuple[str, 
 
 def evaluation(root: Path) -> str | None:
     """metrics/eval.json as a table, the champion decision, and the first completions side by side."""
-    metrics = read_json(root / "metrics" / "eval.json")
+    metrics = read_json_object(root / "metrics" / "eval.json")
     if metrics is None:
         return None
     shown = [k for k in EVAL_METRICS if k in metrics] + sorted(set(metrics) - set(EVAL_METRICS))
     parts = ["# Evaluation\n", markdown_table(["metric", "value"], [[k, metrics[k]] for k in shown])]
-    register = read_json(root / "metrics" / "register.json")
+    register = read_json_object(root / "metrics" / "register.json")
     if register is not None:
         parts.append(f"\n**Registry:** {registry_line(register)}")
     completions = root / "reports" / "eval" / "completions.jsonl"
     if completions.is_file():
-        with completions.open() as f:
-            rows = [json.loads(line) for _, line in zip(range(HEAD_ROWS), f, strict=False)]
+        rows = read_jsonl(completions)[:HEAD_ROWS]
         parts.append(f"\n## First {len(rows)} completions (reports/eval/completions.jsonl)\n")
         parts.append(markdown_table(["prompt", "policy", "reference", "rm", "ref rm"],
                                     [[r.get("prompt"), r.get("completion"), r.get("ref_completion"),

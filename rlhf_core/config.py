@@ -1,6 +1,8 @@
-"""Typed configuration of the RL trainer, validated once and frozen.
+"""Typed configuration of every trainer of the library, validated once and frozen: the RL trainer
+(`RLConfig`), supervised fine-tuning (`SFTConfig`), reward-model training (`RewardConfig`) and the reward-model
+inspection (`InspectionConfig`). Importing it costs pydantic only, so the pipeline's params can extend them.
 
-The batch hierarchy (after summarize_from_feedback_details / TRL), per update:
+The RL batch hierarchy (after summarize_from_feedback_details / TRL), per update:
 
     rollout batch   `batch_size` episodes (completions) generated across all processes
       └ mini-batch  `batch_size / num_mini_batches` episodes: one optimizer step
@@ -182,3 +184,78 @@ class BatchPlan:
             num_updates=num_updates,
             num_optimizer_steps=num_updates * cfg.num_epochs * cfg.num_mini_batches,
         )
+
+
+# ---------------------------------------------------------------------------------------- supervised
+
+class SupervisedConfig(_Frozen):
+    """Optimization settings that SFT and reward-model training share."""
+
+    seed: int = 0
+    """Seeds the data order (and dropout, if any); with it a run is reproducible."""
+    epochs: int = Field(2, gt=0)
+    """Passes over the rows (demo world: the second still helps; the reward model overfits in a third)."""
+    per_device_train_batch_size: int = Field(16, gt=0)
+    """Micro-batch: rows per process per forward/backward."""
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    """Micro-batches accumulated into one mini-batch (one optimizer step)."""
+    learning_rate: float = Field(1e-3, gt=0.0)
+    """Peak learning rate of AdamW (for the tiny demo models trained from scratch; ~1e-5 for a 1B model)."""
+    lr_scheduler: Literal["linear", "cosine", "constant_with_warmup"] = "cosine"
+    """Decay after warm-up over all optimizer steps of the run."""
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0)
+    """Fraction of optimizer steps of linear warm-up."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    """Clip the global gradient norm of each optimizer step; None disables."""
+    group_by_length: bool = True
+    """Batch rows of similar length together (demo world: padding wastes ~25% of the compute otherwise)."""
+    logging_steps: int = Field(10, gt=0)
+    """Report the training metrics every this many optimizer steps."""
+    eval_batch_size: int = Field(64, gt=0)
+    """Rows per forward when evaluating (no grad)."""
+
+
+class SFTConfig(SupervisedConfig):
+    """Supervised fine-tuning of a causal LM on prompt/completion rows."""
+
+    learning_rate: float = Field(3e-3, gt=0.0)
+    """Peak learning rate of AdamW; this high, the demo policy learns to copy facts in two epochs."""
+
+    max_prompt_length: int = Field(256, gt=0)
+    """Prompt tokens kept (from the end, where the TL;DR: cue is)."""
+    max_completion_length: int = Field(64, gt=0)
+    """Completion + EOS tokens kept (from the start; a longer completion loses its EOS, as in TRL)."""
+
+
+class RewardConfig(SupervisedConfig):
+    """Pairwise reward-model training; the optimization fields and their defaults are SupervisedConfig's."""
+
+    max_length: int = Field(320, gt=0)
+    """Tokens of prompt + completion + EOS kept, from the end, so the scored EOS always survives."""
+
+
+# ---------------------------------------------------------------------------------------- inspection
+
+class InspectionConfig(_Frozen):
+    """What the inspection scores and how strict it is."""
+
+    num_probes: int = Field(8, gt=1)
+    """Examples the token and padding probes use (the first rows of the pairs or prompts)."""
+    num_pairs: int = Field(512, gt=0)
+    """Held-out preference pairs scored for accuracy, margin and length bias."""
+    num_prompts: int = Field(256, gt=0)
+    """Evaluation prompts whose references are scored for the score distribution."""
+    batch_size: int = Field(32, gt=0)
+    """Sequences per forward."""
+    max_length: int = Field(320, gt=0)
+    """Tokens of prompt + completion + EOS kept, cut from the prompt's start (as reward training does)."""
+    atol: float = Field(1e-4, gt=0.0)
+    """Scores closer than atol + rtol * (score scale) count as equal."""
+    rtol: float = Field(1e-3, ge=0.0)
+    """Relative part of the tolerance; raise both for bf16/fp16 models."""
+    min_pair_accuracy: float = Field(0.0, ge=0.0, le=1.0)
+    """Fail when held-out pairwise accuracy is below this (0 disables; a worse-than-chance RM is suspect)."""
+    length_bias_warning: float = Field(0.5, gt=0.0, le=1.0)
+    """Warn when |corr(score, completion length)| exceeds this."""

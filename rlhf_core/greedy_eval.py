@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_core import ops
-from rlhf_core.rollout import Rollout, left_pad, response_logits, stop_mask
-from rlhf_core.scoring import Scorer
-
-GoldFn = Callable[[str, str, bool], float]
+from rlhf_core.batching import pad
+from rlhf_core.rollout import Rollout, response_logits, stop_mask
+from rlhf_core.scoring import GoldFn, Scorer
 
 
 @torch.no_grad()
@@ -32,7 +32,7 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
     device = next(policy.parameters()).device
     parts = []
     for start in range(0, len(prompt_ids), batch_size):
-        queries, query_mask = (t.to(device) for t in left_pad(prompt_ids[start:start + batch_size], pad_token_id))
+        queries, query_mask = (t.to(device) for t in pad(prompt_ids[start:start + batch_size], pad_token_id, "left"))
         out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
                               max_new_tokens=response_length, pad_token_id=pad_token_id,
                               eos_token_id=stop_token_id, top_k=None, top_p=None, temperature=None)
@@ -62,10 +62,9 @@ def _pad_and_cat(parts: list[Rollout], pad_token_id: int) -> Rollout:
     width = max(p.context_length for p in parts)
     widened = []
     for p in parts:
-        extra = width - p.context_length
-        queries = torch.cat([p.queries.new_full((len(p), extra), pad_token_id), p.queries], 1)
-        mask = torch.cat([p.query_mask.new_zeros((len(p), extra)), p.query_mask], 1)
-        widened.append(replace(p, queries=queries, query_mask=mask))
+        extra = (width - p.context_length, 0)  # columns added on the left
+        widened.append(replace(p, queries=F.pad(p.queries, extra, value=pad_token_id),
+                               query_mask=F.pad(p.query_mask, extra, value=False)))
     return Rollout.cat(widened)
 
 

@@ -1,5 +1,9 @@
-"""Atomic outputs: a stage writes into a temp sibling and renames it into place on success, so a crash
-never leaves a half-written file or directory that DVC would cache or a later stage would read."""
+"""JSON and JSON-lines files: the one reader and writer of the project.
+
+Writes are atomic: into a temp sibling first, renamed into place on success, so a crash never leaves a
+half-written file or directory that DVC would cache or a later stage would read. Reads fail with a
+JsonFileError that names the file, the line and what was expected.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,11 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+
+class JsonFileError(ValueError):
+    """A JSON / JSONL file that cannot be read as expected; the message names the file and line."""
 
 
 @contextmanager
@@ -34,7 +43,7 @@ def atomic_path(target: str | Path, *, directory: bool = False) -> Iterator[Path
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_json(path: str | Path, data) -> None:
+def write_json(path: str | Path, data: Any) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
@@ -45,6 +54,64 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise JsonFileError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise JsonFileError(f"{path}: a directory, not a file") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise JsonFileError(f"{path}: line {line} is not UTF-8 text (byte {err.start} is "
+                            f"{data[err.start:err.start + 1]!r}); expected UTF-8 JSON") from None
+
+
+def _parse(text: str, path: Path, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise JsonFileError(f"{path}: {where} is not valid JSON ({err.msg} at column {err.colno})") from None
+
+
+def read_json(path: str | Path) -> Any:
+    """The file's JSON value."""
+    path = Path(path)
+    return _parse(_text(path), path, "the file")
+
+
+def read_json_object(path: str | Path) -> dict | None:
+    """A JSON object, or None when the file is missing or not an object (reports show what exists)."""
+    try:
+        data = read_json(path)
+    except JsonFileError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]:
+    """One JSON object per line (blank lines skipped); a `.json` file may hold one array of objects instead.
+    Every row must have a string in each of `text_columns`."""
+    path = Path(path)
+    text = _text(path)
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        rows = _parse(text, path, "the file")
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise JsonFileError(f"{path}: expected a JSON array of objects")
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = _parse(line, path, f"line {number}")
+            if not isinstance(row, dict):
+                raise JsonFileError(f"{path}: line {number} is {type(row).__name__}, expected a JSON object")
+            rows.append(row)
+    columns = list(text_columns)
+    for number, row in enumerate(rows, 1):
+        missing = [c for c in columns if not isinstance(row.get(c), str)]
+        if missing:
+            raise JsonFileError(f"{path}: row {number} has no text in {missing}; expected columns {columns}")
+    return rows

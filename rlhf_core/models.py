@@ -5,6 +5,7 @@ Safe by default: `trust_remote_code` is off and only safetensors weights are loa
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -55,6 +56,17 @@ def init_sequence_scorer(config: GPTNeoXConfig, seed: int) -> GPTNeoXForSequence
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return GPTNeoXForSequenceClassification(scorer_config)
+
+
+def reward_model_from_policy(policy: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
+    """A sequence classifier (num_labels=1) with the policy's backbone weights and a fresh, seeded head."""
+    config = copy.deepcopy(policy.config)
+    config.num_labels = 1
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        scorer = AutoModelForSequenceClassification.from_config(config)
+    scorer.base_model.load_state_dict(policy.base_model.state_dict())
+    return scorer.to(device=policy.device, dtype=policy.dtype)
 
 
 def _source(name_or_path: str | os.PathLike) -> str:

@@ -6,56 +6,39 @@ LAST REAL TOKEN (the EOS), exactly as `scoring.RewardModelScorer` scores rollout
 micro-batch go through one forward, right-padded together. The loss is Stiennon et al. (2020) / TRL's
 RewardTrainer:  -log sigmoid(r_chosen - r_rejected).
 
-`reward_model_from_policy` starts a reward (or value) model from the SFT policy's backbone, as
-summarize-from-feedback does.
+`rlhf_core.models.reward_model_from_policy` starts a reward (or value) model from the SFT policy's backbone,
+as summarize-from-feedback does.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from pydantic import Field
 from torch import Tensor, nn
-from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
-from rlhf_core.scoring import last_token_scores
-from rlhf_core.sft_trainer import Batch, Progress, Row, SupervisedConfig, TrainResult, fit, right_pad
-
-PairGoldFn = Callable[[str, str], float]
-"""(prompt, completion) -> gold reward, like `rlhf_core.world.gold_reward`."""
-
-
-class RewardConfig(SupervisedConfig):
-    """Pairwise reward-model training; the optimization fields and their defaults are SupervisedConfig's."""
-
-    max_length: int = Field(320, gt=0)
-    """Tokens of prompt + completion + EOS kept, from the end, so the scored EOS always survives."""
-
-
-RewardResult = TrainResult
+from rlhf_core.batching import encode_example, pad
+from rlhf_core.config import RewardConfig
+from rlhf_core.scoring import GoldFn, last_token_scores
+from rlhf_core.supervised import Batch, Progress, Row, TrainResult, fit
 
 
 def encode_pairs(tokenizer, rows: Sequence[Row], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """Rows -> (chosen ids, rejected ids), each prompt + completion + EOS, cut from the left to max_length."""
-    assert tokenizer.eos_token_id is not None, "the tokenizer needs an EOS token: the reward model scores it"
-    eos = [tokenizer.eos_token_id]
+    """Rows -> (chosen ids, rejected ids), each prompt + completion + EOS, the prompt cut to fit max_length."""
+    def encode(row: Row, key: str) -> list[int]:
+        prompt, completion = encode_example(tokenizer, row["prompt"], row[key], max_tokens=max_length)
+        return prompt + completion
 
-    def encode(key: str) -> list[list[int]]:
-        texts = [row["prompt"] + row[key] for row in rows]
-        return [(ids + eos)[-max_length:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-    return list(zip(encode("chosen"), encode("rejected"), strict=True))
+    return [(encode(row, "chosen"), encode(row, "rejected")) for row in rows]
 
 
 def pair_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
     """Right-pad a micro-batch of B pairs into 2B rows: the chosen completions, then the rejected ones."""
     sequences = [chosen for chosen, _ in examples] + [rejected for _, rejected in examples]
-    return {"input_ids": right_pad(sequences, pad_token_id),  # (2B, T)
-            "attention_mask": right_pad([[1] * len(s) for s in sequences], 0).bool()}  # (2B, T)
+    input_ids, attention_mask = pad(sequences, pad_token_id, "right")  # (2B, T)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 def pair_scores(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
@@ -84,9 +67,9 @@ def pair_losses(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
 
 
 def train_reward_model(cfg: RewardConfig, model: nn.Module, tokenizer, train_rows: Sequence[Row],
-                       eval_rows: Sequence[Row], *, gold: PairGoldFn | None = None,
+                       eval_rows: Sequence[Row], *, gold: GoldFn | None = None,
                        accelerator: Accelerator | None = None,
-                       progress: Progress | None = None) -> RewardResult:
+                       progress: Progress | None = None) -> TrainResult:
     """Train a sequence classifier (num_labels=1) on preference pairs; evaluate on `eval_rows` each epoch."""
     num_labels = getattr(model.config, "num_labels", None)
     if num_labels != 1:
@@ -101,7 +84,7 @@ def train_reward_model(cfg: RewardConfig, model: nn.Module, tokenizer, train_row
 
 @torch.no_grad()
 def evaluate_reward_model(model: nn.Module, tokenizer, pair_rows: Sequence[Row],
-                          gold: PairGoldFn | None = None, *,
+                          gold: GoldFn | None = None, *,
                           cfg: RewardConfig | None = None) -> dict[str, float]:
     """Pairwise accuracy against the dataset's labels, mean margin and loss; with `gold`, accuracy against it.
 
@@ -123,20 +106,9 @@ def evaluate_reward_model(model: nn.Module, tokenizer, pair_rows: Sequence[Row],
                "eval/margin": (chosen - rejected).mean().item(),
                "eval/loss": pairwise_loss(chosen, rejected).mean().item()}
     if gold is not None:
-        gold_margin = torch.tensor([gold(row["prompt"], row["chosen"]) - gold(row["prompt"], row["rejected"])
+        gold_margin = torch.tensor([gold(row["prompt"], row["chosen"], True) - gold(row["prompt"], row["rejected"], True)
                                     for row in pair_rows])  # (N,)
         decided = gold_margin != 0
         agree = (chosen > rejected) == (gold_margin > 0)  # (N,)
         metrics["eval/gold_accuracy"] = agree[decided].float().mean().item()
     return metrics
-
-
-def reward_model_from_policy(policy: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
-    """A sequence classifier (num_labels=1) with the policy's backbone weights and a fresh, seeded head."""
-    config = copy.deepcopy(policy.config)
-    config.num_labels = 1
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        scorer = AutoModelForSequenceClassification.from_config(config)
-    scorer.base_model.load_state_dict(policy.base_model.state_dict())
-    return scorer.to(device=policy.device, dtype=policy.dtype)

@@ -23,14 +23,15 @@ from torch import Tensor, nn
 from transformers import get_scheduler
 
 from rlhf_core import ops, ppo, rloo
+from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
+from rlhf_core.jsonio import read_json
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import disable_dropout
 from rlhf_core.rollout import (
     PolicyOutput,
     Rollout,
-    left_pad,
     response_logits,
     sample_responses,
     stop_mask,
@@ -100,6 +101,7 @@ class RLTrainer:
         self.plan = BatchPlan.derive(cfg, self.accelerator.num_processes)
         set_seed(cfg.seed, device_specific=True)  # ranks sample different completions
         self.pad_token_id, self.stop_token_id = pad_token_id, (stop_token_id if cfg.stop_token else None)
+        assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
         self.scorer, self.prompts = scorer, prompts
         self.tracker = tracker or NullTracker()
         self.on_update = on_update
@@ -167,8 +169,8 @@ class RLTrainer:
     def rollout(self, prompt_indices: Sequence[int]) -> Rollout:
         """Sample completions for this process's prompts (each repeated k times for RLOO)."""
         k = self.cfg.samples_per_prompt
-        queries, query_mask = left_pad([self.prompts[i] for i in prompt_indices for _ in range(k)],
-                                       self.pad_token_id)  # (B, P)
+        queries, query_mask = pad([self.prompts[i] for i in prompt_indices for _ in range(k)],
+                                  self.pad_token_id, "left")  # (B, P)
         queries, query_mask = queries.to(self.accelerator.device), query_mask.to(self.accelerator.device)
         step = self.cfg.local_rollout_forward_batch_size
         return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step])
@@ -289,7 +291,7 @@ class RLTrainer:
         meta_file = path / "trainer_state.json"
         if not meta_file.is_file():
             raise FileNotFoundError(f"{path} is not a checkpoint: {meta_file.name} is missing")
-        meta = json.loads(meta_file.read_text())
+        meta = read_json(meta_file)
         saved = RLConfig.model_validate(meta["config"])
         for key in ("algo", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
                     "total_episodes", "seed"):

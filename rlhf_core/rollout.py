@@ -85,18 +85,6 @@ def _to(t: Tensor | None, device: torch.device | str) -> Tensor | None:
     return None if t is None else t.to(device)
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
-    """Token lists → (ids, mask), both (B, P) with P the longest sequence, padded on the left."""
-    assert len(sequences) > 0 and all(len(s) > 0 for s in sequences), "empty prompt in batch"
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for row, seq in enumerate(sequences):
-        ids[row, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq):] = True
-    return ids, mask
-
-
 def position_ids(attention_mask: Tensor) -> Tensor:
     """(B, T) mask → (B, T) positions counting only real tokens (0 on left padding)."""
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)

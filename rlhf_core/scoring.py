@@ -20,6 +20,10 @@ from torch import Tensor, nn
 from rlhf_core.rollout import Rollout, backbone_hidden, score_head
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+"""(prompts, completions) -> one reward per completion: what `FunctionScorer` wraps."""
+GoldFn = Callable[[str, str, bool], float]
+"""(prompt, completion, ended_with_eos) -> a known true reward (the demo world's `gold_reward`); evaluations
+report it beside the reward model's score, so reward hacking shows."""
 
 
 class Scorer(Protocol):

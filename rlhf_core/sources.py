@@ -6,9 +6,10 @@ real datasets (e.g. `trl-lib/tldr`) go through the same code.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
+
+from rlhf_core.jsonio import JsonFileError, read_jsonl
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -45,32 +46,12 @@ def _read_file(path: Path) -> list[dict]:
 
 def _read_json_lines(path: Path) -> list[dict]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise SourceError(f"{path}: not UTF-8 text (byte {err.start}); expected JSON lines") from err
-    if not text.strip():
+        rows = read_jsonl(path)
+    except JsonFileError as err:
+        raise SourceError(str(err)) from None
+    if not rows:
         raise SourceError(f"{path}: the file is empty; expected one JSON object per line")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        rows = _parse(text, path, "the file")
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise SourceError(f"{path}: expected a JSON array of objects")
-        return rows
-    rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        row = _parse(line, path, f"line {number}")
-        if not isinstance(row, dict):
-            raise SourceError(f"{path}: line {number} is {type(row).__name__}, expected a JSON object")
-        rows.append(row)
     return rows
-
-
-def _parse(text: str, path: Path, where: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SourceError(f"{path}: {where} is not valid JSON ({err.msg} at column {err.colno})") from err
 
 
 def _read_dir(path: Path, split: str) -> list[dict]:

@@ -23,9 +23,10 @@ import yaml
 from test_dvc import sh
 from test_pipeline import TINY
 
-from flows.dvc_repro import clean_lines, is_transient, log_tail, repro_stage, stage_env, stage_names
+from flows.dvc_repro import clean_lines, is_transient, log_tail, repro_stage, stage_env
 from flows.lock import WorkspaceBusy, workspace_lock
 from flows.overrides import apply_overrides
+from tasks.common.dvc_yaml import stage_names
 from tasks.common.params import ParamsError, deep_merge, parse_override
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,8 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from typer.testing import CliRunner
 
 from cli.main import app
-from rlhf_core.inspection import InspectionConfig, inspect_reward_model
+from rlhf_core.config import InspectionConfig
+from rlhf_core.reward_inspection.report import inspect_reward_model
 from rlhf_core.reward_trainer import evaluate_reward_model
 from tasks.common.params import Params
 from tasks.common.paths import Paths

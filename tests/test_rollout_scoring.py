@@ -8,11 +8,12 @@ import torch
 from transformers import GenerationConfig
 
 from conftest import target_fraction
+from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import RLTrainer
-from rlhf_core.rollout import Rollout, left_pad, position_ids, sample_responses, stop_mask
+from rlhf_core.rollout import Rollout, position_ids, sample_responses, stop_mask
 from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer
 
 
@@ -23,11 +24,14 @@ def make_batch(queries, query_mask, responses, stop_token_id=1):
                    logprobs=zeros, ref_logprobs=zeros, contains_stop=contains_stop)
 
 
-def test_left_pad_and_positions():
-    ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
+def test_pad_both_sides_and_positions():
+    ids, mask = pad([[5, 6, 7], [8]], 0, "left")
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert mask.tolist() == [[True, True, True], [False, False, True]]
     assert position_ids(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+    ids, mask = pad([[5, 6, 7], [8]], -100, "right", width=4)
+    assert ids.tolist() == [[5, 6, 7, -100], [8, -100, -100, -100]]
+    assert mask.tolist() == [[True, True, True, False], [True, False, False, False]]
 
 
 def test_stop_mask_keeps_through_first_stop():
@@ -40,7 +44,7 @@ def test_stop_mask_keeps_through_first_stop():
 
 
 def test_sampled_responses_are_padded_after_stop(make_policy, prompts):
-    queries, query_mask = left_pad(prompts[:32], 0)
+    queries, query_mask = pad(prompts[:32], 0, "left")
     responses = sample_responses(make_policy(), queries, query_mask, response_length=10, temperature=1.0,
                                  pad_token_id=0, stop_token_id=1)
     assert responses.shape == (32, 10)
@@ -58,7 +62,7 @@ def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scor
                    stop_token=None)
     trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
                         stop_token_id=1)
-    queries, query_mask = left_pad(prompts[:8], 0)
+    queries, query_mask = pad(prompts[:8], 0, "left")
     out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), return_dict_in_generate=True,
                           output_scores=True, generation_config=GenerationConfig(
                               max_new_tokens=6, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
@@ -71,7 +75,7 @@ def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scor
 
 def test_reward_model_scores_the_last_real_token(make_scorer_model):
     scorer = RewardModelScorer(make_scorer_model(5))
-    queries, query_mask = left_pad([[3, 4, 5], [6, 7]], 0)
+    queries, query_mask = pad([[3, 4, 5], [6, 7]], 0, "left")
     responses = torch.tensor([[8, 9, 1, 0, 0], [10, 1, 0, 0, 0]])
     base = scorer(make_batch(queries, query_mask, responses))
 
@@ -99,7 +103,7 @@ def test_reward_model_must_have_one_label(tiny_config):
 
 
 def test_function_and_weighted_scorers(tokenizer):
-    queries, query_mask = left_pad([[3, 4], [5]], 0)
+    queries, query_mask = pad([[3, 4], [5]], 0, "left")
     responses = torch.tensor([[7, 7, 1, 0], [7, 8, 9, 10]])
     batch = make_batch(queries, query_mask, responses)
     scorer = FunctionScorer(target_fraction, tokenizer)
@@ -115,7 +119,7 @@ def test_missing_eos_penalty(tokenizer, prompts, make_policy):
                    local_rollout_forward_batch_size=2, missing_eos_penalty=1.5)
     trainer = RLTrainer(cfg, make_policy(), FunctionScorer(target_fraction, tokenizer), prompts,
                         pad_token_id=0, stop_token_id=1)
-    queries, query_mask = left_pad([[3, 4], [5]], 0)
+    queries, query_mask = pad([[3, 4], [5]], 0, "left")
     batch = trainer.score(make_batch(queries, query_mask, torch.tensor([[7, 7, 1, 0], [7, 8, 9, 10]])))
     torch.testing.assert_close(batch.scores, torch.tensor([1.0, 0.25 - 1.5]))
 

@@ -5,32 +5,38 @@ import math
 import pytest
 import torch
 
-from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
+from rlhf_core.batching import pad
+from rlhf_core.config import RewardConfig, SFTConfig
+from rlhf_core.models import (
+    init_causal_lm,
+    init_sequence_scorer,
+    reward_model_from_policy,
+    tiny_gpt_neox_config,
+)
 from rlhf_core.reward_trainer import (
-    RewardConfig,
     encode_pairs,
     evaluate_reward_model,
     pair_collate,
     pair_scores,
     pairwise_loss,
-    reward_model_from_policy,
     train_reward_model,
 )
-from rlhf_core.rollout import Rollout, backbone_hidden, left_pad
+from rlhf_core.rollout import Rollout, backbone_hidden
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.sft_trainer import (
     IGNORE_INDEX,
-    SFTConfig,
     encode_sft,
     evaluate_sft,
     greedy_completions,
-    right_pad,
     sft_collate,
     sft_loss,
     token_losses,
     train_sft,
 )
-from rlhf_core.world import WorldConfig, build_world, gold_reward, train_tokenizer
+from rlhf_core.world.config import WorldConfig
+from rlhf_core.world.generator import build_world
+from rlhf_core.world.gold import gold_reward
+from rlhf_core.world.tokenizer import train_tokenizer
 
 SLICE = WorldConfig(sft_train=256, sft_eval=32, prefs_train=256, prefs_eval=64, prompts_train=8,
                     prompts_eval=16)
@@ -209,17 +215,17 @@ def test_training_scores_match_the_rl_scorer(world, tokenizer, model_config):
     """Training scores a pair as RewardModelScorer scores the same text as a rollout (left-padded prompt)."""
     model = init_sequence_scorer(model_config, seed=0).eval()
     rows = easy_pairs(world["sft_train"][:3])
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     prompts = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     completions = [tokenizer(r["chosen"], add_special_tokens=False)["input_ids"] + [eos] for r in rows]
-    queries, query_mask = left_pad(prompts, pad)  # (B, P)
-    responses = right_pad(completions, pad)  # (B, R)
+    queries, query_mask = pad(prompts, pad_id, "left")  # (B, P)
+    responses, response_mask = pad(completions, pad_id, "right")  # (B, R)
     zeros, stopped = torch.zeros(responses.shape), torch.ones(len(rows), dtype=torch.bool)
     rollout = Rollout(queries=queries, query_mask=query_mask, responses=responses,
-                      response_mask=right_pad([[1] * len(c) for c in completions], 0).bool(),
+                      response_mask=response_mask,
                       logprobs=zeros, ref_logprobs=zeros, contains_stop=stopped)
     with torch.no_grad():
-        chosen, _ = pair_scores(model, pair_collate(encode_pairs(tokenizer, rows, 320), pad))
+        chosen, _ = pair_scores(model, pair_collate(encode_pairs(tokenizer, rows, 320), pad_id))
     torch.testing.assert_close(chosen, RewardModelScorer(model)(rollout), atol=1e-5, rtol=1e-5)
 
 

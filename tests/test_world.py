@@ -6,18 +6,11 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from rlhf_core.world import (
-    Fact,
-    WorldConfig,
-    build_world,
-    gold_breakdown,
-    gold_reward,
-    misstated_pairs,
-    parse_facts,
-    sample_post,
-    train_tokenizer,
-)
-from rlhf_core.world.tldr import reference_draft, swap_fact, words
+from rlhf_core.world.config import WorldConfig
+from rlhf_core.world.generator import build_world, misstated_pairs, reference_draft, sample_post, swap_fact
+from rlhf_core.world.gold import gold_breakdown, gold_reward, parse_facts
+from rlhf_core.world.tokenizer import train_tokenizer
+from rlhf_core.world.vocabulary import Fact, words
 
 SMALL = WorldConfig(sft_train=2000, sft_eval=50, prefs_train=2000, prefs_eval=50, prompts_train=100,
                     prompts_eval=50)

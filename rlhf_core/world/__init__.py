@@ -1,34 +1,8 @@
-"""The demo world: synthetic TL;DR data with a known gold reward, and a tokenizer trained on it."""
+"""The demo world: synthetic TL;DR data with a known gold reward.
 
-from rlhf_core.world.tldr import (
-    ENTITY_WORDS,
-    Fact,
-    GoldBreakdown,
-    Post,
-    WorldConfig,
-    build_world,
-    gold_breakdown,
-    gold_reward,
-    misstated_pairs,
-    parse_facts,
-    sample_post,
-)
-from rlhf_core.world.tokenizer import EOS, PAD, UNK, train_tokenizer
-
-__all__ = [
-    "ENTITY_WORDS",
-    "EOS",
-    "PAD",
-    "UNK",
-    "Fact",
-    "GoldBreakdown",
-    "Post",
-    "WorldConfig",
-    "build_world",
-    "gold_breakdown",
-    "gold_reward",
-    "misstated_pairs",
-    "parse_facts",
-    "sample_post",
-    "train_tokenizer",
-]
+- vocabulary.py: the closed vocabularies posts are drawn from (and facts are parsed back out of);
+- generator.py: posts, reference and perturbed summaries, and the datasets (`build_world`);
+- gold.py: the gold reward of a summary (`gold_reward`, `gold_breakdown`);
+- config.py: the world's sizes and noise (`WorldConfig`);
+- tokenizer.py: a byte-level BPE tokenizer trained on the world's text.
+"""

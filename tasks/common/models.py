@@ -1,4 +1,4 @@
-"""What several stages share: which gold reward the world has, the tiny model factory, saving models."""
+"""The models stages make and save: the demo's tiny GPT-NeoX policy and reward model, and atomic saves."""
 
 from __future__ import annotations
 
@@ -6,13 +6,7 @@ from pathlib import Path
 
 from rlhf_core.jsonio import atomic_path
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
-from rlhf_core.world import gold_reward
 from tasks.common.params import Params
-
-
-def gold_fn(params: Params):
-    """The world's gold reward (prompt, completion, ended_with_eos) -> float, or None for real data."""
-    return gold_reward if params.prepare.source == "world" else None
 
 
 def _tiny_config(params: Params, tokenizer):

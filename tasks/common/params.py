@@ -14,11 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlhf_core.config import RLConfig
-from rlhf_core.inspection import InspectionConfig
-from rlhf_core.reward_trainer import RewardConfig
-from rlhf_core.sft_trainer import SFTConfig
-from rlhf_core.world import WorldConfig
+from rlhf_core.config import InspectionConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
 PROFILES_DIR = "profiles"

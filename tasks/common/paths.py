@@ -58,3 +58,8 @@ class Paths:
     @property
     def reports(self) -> Path:
         return self.root / "reports"
+
+    @property
+    def train_history(self) -> Path:
+        """One JSON line per RL update (the train stage's metrics; DVC plots and evaluate's plots read it)."""
+        return self.reports / "train_history.jsonl"

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.jsonio import read_json_object
 from rlhf_core.tracking import NullTracker, Tracker
 
 NOISY_LOGGERS = ("transformers", "accelerate", "torch", "datasets", "huggingface_hub", "urllib3", "filelock",
@@ -115,16 +116,6 @@ SUMMARY_METRICS = (("win_rate_rm", "win rate vs SFT (reward model)"), ("win_rate
                    ("mean_kl", "KL to SFT"), ("eos_rate", "EOS rate"))
 
 
-def _read(path: Path) -> dict:
-    import json
-
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def registry_line(register: Mapping[str, Any]) -> str:
     """metrics/register.json in one line: which version, champion or not, and why."""
     if not register.get("registered"):
@@ -155,7 +146,7 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
         stages.add_row(s["stage"], "ran" if s["ran"] else "[dim]unchanged, skipped[/dim]", f"{s['seconds']:.1f}")
     console.print(stages)
 
-    evaluation = _read(root / "metrics" / "eval.json")
+    evaluation = read_json_object(root / "metrics" / "eval.json") or {}
     if evaluation:
         table = Table(title="evaluation (metrics/eval.json)", title_justify="left")
         table.add_column("metric")
@@ -164,7 +155,7 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
             if key in evaluation:
                 table.add_row(label, f"{evaluation[key]:.3f}")
         console.print(table)
-    register = _read(root / "metrics" / "register.json")
+    register = read_json_object(root / "metrics" / "register.json") or {}
     if register:
         console.print(f"[bold]registry:[/bold] {registry_line(register)}")
     if result.get("params_changed"):

@@ -7,12 +7,11 @@ from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.scoring import RewardModelScorer
-from tasks.common.models import gold_fn
+from tasks.common.gold import gold_fn
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.plots import plot_evaluation
 from tasks.common.progress import count_callback, progress_bar
-from tasks.stages.train import HISTORY
 
 
 def run(params: Params, paths: Paths) -> dict:
@@ -27,7 +26,7 @@ def run(params: Params, paths: Paths) -> dict:
                           on_batch=count_callback(update, "completions"))
     out = paths.reports / "eval"
     write_jsonl(out / "completions.jsonl", report.rows)
-    history_file = paths.reports / HISTORY
+    history_file = paths.train_history
     plot_evaluation(report.rows, read_jsonl(history_file) if history_file.is_file() else [], out)
     write_json(paths.metrics_file("eval"), report.summary)
     return report.summary

@@ -1,7 +1,4 @@
-"""Stage `inspect` and `rlhf inspect-rm`: the reward-model inspection report (rlhf_core/inspection.py).
-
-(Named inspect_rm, not inspect: a module called `inspect` would shadow the standard library when tasks/ is on
-sys.path.)
+"""Stage `inspect` and `rlhf inspect-rm`: the reward-model inspection report (rlhf_core/reward_inspection/).
 
 Writes reports/inspection/{report.json, summary.md, scores.png} and metrics/inspect.json, then fails the stage
 when a check failed, so `train` (which depends on the report) never starts on a reward model that scores the
@@ -10,12 +7,12 @@ wrong token. The report holds no timings: an unchanged model gives a byte-identi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from rlhf_core.inspection import InspectionConfig, inspect_reward_model
+from rlhf_core.config import InspectionConfig
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json
 from rlhf_core.models import load_scorer_model, load_tokenizer
+from rlhf_core.reward_inspection.report import inspect_reward_model
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 
@@ -30,25 +27,11 @@ def inspect_model(source: str | Path, cfg: InspectionConfig, pairs: Path | None 
                   prompts: Path | None = None) -> dict:
     """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files."""
     model, tokenizer = load_scorer_model(source), load_tokenizer(source)
-    report = inspect_reward_model(model, tokenizer, pairs=read_rows(pairs, ("prompt", "chosen", "rejected")),
-                                  prompts=read_rows(prompts, ("prompt",)), cfg=cfg)
+    pair_rows = read_jsonl(pairs, text_columns=("prompt", "chosen", "rejected")) if pairs else []
+    prompt_rows = read_jsonl(prompts, text_columns=("prompt",)) if prompts else []
+    report = inspect_reward_model(model, tokenizer, pairs=pair_rows, prompts=prompt_rows, cfg=cfg)
     report["source"] = str(source)
     return report
-
-
-def read_rows(path: Path | None, columns: tuple[str, ...]) -> list[dict]:
-    """JSONL rows with the given string columns; a clear ValueError naming the file and row otherwise."""
-    if path is None:
-        return []
-    try:
-        rows = read_jsonl(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not JSON lines ({err})") from None
-    for number, row in enumerate(rows, 1):
-        missing = [c for c in columns if not isinstance(row.get(c) if isinstance(row, dict) else None, str)]
-        if missing:
-            raise ValueError(f"{path}: row {number} has no text in {missing}; expected columns {list(columns)}")
-    return rows
 
 
 def write_report(report: dict, out: Path) -> None:

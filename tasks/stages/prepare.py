@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.models import load_tokenizer
 from rlhf_core.sources import load_rows
-from rlhf_core.world import build_world, train_tokenizer
+from rlhf_core.world.generator import build_world
+from rlhf_core.world.tokenizer import train_tokenizer
 from tasks.common.params import Params, PrepareParams
 from tasks.common.paths import SPLITS, Paths
 

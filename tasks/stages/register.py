@@ -9,13 +9,12 @@ Both figures and the decision are recorded as version tags and in metrics/regist
 from __future__ import annotations
 
 import getpass
-import json
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from rlhf_core.jsonio import write_json
+from rlhf_core.jsonio import JsonFileError, read_json, write_json
 from tasks.common.mlflow_tracker import numeric
 from tasks.common.params import Params, RegisterParams
 from tasks.common.paths import Paths
@@ -57,9 +56,9 @@ def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
     if not path.is_file():
         raise RegisterError(f"{path}: not found; run the evaluate stage first")
     try:
-        data = json.loads(path.read_text())
-    except ValueError as err:
-        raise RegisterError(f"{path}: not valid JSON ({err})") from err
+        data = read_json(path)
+    except JsonFileError as err:
+        raise RegisterError(str(err)) from err
     figures = numeric(data) if isinstance(data, dict) else {}
     for key in (cfg.primary_metric, "mean_kl"):
         if key not in figures:
@@ -127,7 +126,7 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(policy_dir)
-        base = json.loads(adapter.read_text()).get("base_model_name_or_path", "")
+        base = read_json(adapter).get("base_model_name_or_path", "")
         if Path(base).is_dir():
             extra["base_model_path"] = str(Path(base).resolve())
     else:

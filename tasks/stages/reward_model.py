@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from rlhf_core.jsonio import read_jsonl, write_json
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
-from rlhf_core.reward_trainer import (
-    evaluate_reward_model,
-    reward_model_from_policy,
-    train_reward_model,
-)
-from rlhf_core.world import gold_reward, misstated_pairs
+from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer, reward_model_from_policy
+from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
+from rlhf_core.world.generator import misstated_pairs
+from tasks.common.gold import gold_fn
 from tasks.common.models import save_model, tiny_reward_model
 from tasks.common.params import Params
 from tasks.common.paths import Paths
@@ -21,7 +18,7 @@ def run(params: Params, paths: Paths) -> dict:
     rm_cfg = params.reward_config()
     tokenizer = load_tokenizer(paths.tokenizer)
     train_rows, eval_rows = read_jsonl(paths.split("prefs_train")), read_jsonl(paths.split("prefs_eval"))
-    gold = (lambda prompt, completion: gold_reward(prompt, completion)) if params.prepare.source == "world" else None
+    gold = gold_fn(params)
     if cfg.pretrained:
         model, metrics = load_scorer_model(cfg.pretrained), {}
     else:

@@ -11,9 +11,10 @@ import json
 import shutil
 from pathlib import Path
 
+from transformers import PreTrainedTokenizerBase
+
 from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
-from rlhf_core.reward_trainer import reward_model_from_policy
+from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer, reward_model_from_policy
 from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
@@ -24,7 +25,6 @@ from tasks.common.paths import Paths
 from tasks.common.progress import ProgressTracker, progress_bar
 from tasks.common.stage_tracking import stage_tracker
 
-HISTORY = "train_history.jsonl"
 TRACE_DIR = "trace"
 
 
@@ -76,7 +76,12 @@ def _prune_traces(out: Path, resumed: int) -> None:
             path.unlink()
 
 
-def run(params: Params, paths: Paths) -> dict:
+def build_trainer(params: Params, paths: Paths, **hooks) -> tuple[RLTrainer, PreTrainedTokenizerBase]:
+    """The RL trainer of this stage, from the workspace's SFT policy, reward model and prompts, and its tokenizer.
+
+    The one factory: the stage and bench/rl_curve.py train the same trainer. `hooks` go to RLTrainer
+    (tracker, checkpoint_dir, on_update).
+    """
     cfg = params.rl_config()
     tokenizer = load_tokenizer(paths.sft_model)
     policy = load_policy(paths.sft_model)
@@ -85,12 +90,20 @@ def run(params: Params, paths: Paths) -> dict:
     if cfg.algo == "ppo":
         value = load_scorer_model(paths.reward_model) if params.train.value_model_init == "reward" \
             else reward_model_from_policy(policy, seed=params.base.seed)
-    max_prompt = params.prepare.max_prompt_tokens
-    prompts = [ids[-max_prompt:] for ids in tokenizer([r["prompt"] for r in read_jsonl(paths.split("prompts_train"))],
-                                                      add_special_tokens=False)["input_ids"]]
+    texts = [r["prompt"] for r in read_jsonl(paths.split("prompts_train"))]
+    max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
+    prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
+                        stop_token_id=tokenizer.eos_token_id, value_model=value,
+                        ref_policy=load_policy(paths.sft_model), **hooks)
+    return trainer, tokenizer
+
+
+def run(params: Params, paths: Paths) -> dict:
+    cfg = params.rl_config()
     checkpoint = _resumable(paths, _fingerprint(paths, cfg.model_dump(mode="json")))
     resumed = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
-    history_file = paths.reports / HISTORY
+    history_file = paths.train_history
     if checkpoint is None:
         history_file.unlink(missing_ok=True)
     elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
@@ -100,11 +113,8 @@ def run(params: Params, paths: Paths) -> dict:
     if checkpoint is not None and history_file.is_file():  # the MLflow run gets the whole run's history
         for row in read_jsonl(history_file):
             stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
-    trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
-                        stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        ref_policy=load_policy(paths.sft_model), tracker=tracker,
-                        checkpoint_dir=paths.checkpoints,
-                        on_update=_trace_writer(params, tokenizer, paths.reports / TRACE_DIR))
+    trainer, tokenizer = build_trainer(params, paths, tracker=tracker, checkpoint_dir=paths.checkpoints)
+    trainer.on_update = _trace_writer(params, tokenizer, paths.reports / TRACE_DIR)
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
     total = trainer.plan.num_updates

@@ -49,15 +49,13 @@ def kind_of_split(name: str) -> str:
 
 # -- reading -------------------------------------------------------------------------------------------------
 
-def read_rows(path: str | Path) -> list[dict]:
+def read_dataset(path: str | Path) -> list[dict]:
     """The file's records, or a ValidateError naming the file (and line) that says why it cannot be read."""
     path = Path(path)
     if not path.exists():
         raise ValidateError(f"{path}: no such file")
     if not path.is_file():
         raise ValidateError(f"{path}: not a file; expected a .jsonl, .json or .parquet file")
-    if path.suffix in (".jsonl", ".json"):
-        _check_utf8(path)
     try:
         rows = load_rows(path)
     except SourceError as err:
@@ -65,16 +63,6 @@ def read_rows(path: str | Path) -> list[dict]:
     if not rows:
         raise ValidateError(f"{path}: no records; expected at least one row")
     return rows
-
-
-def _check_utf8(path: Path) -> None:
-    data = path.read_bytes()
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise ValidateError(f"{path}: line {line} is not UTF-8 text (byte {err.start} is "
-                            f"{data[err.start:err.start + 1]!r}); expected UTF-8 JSON") from None
 
 
 # -- checks --------------------------------------------------------------------------------------------------
@@ -125,7 +113,7 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
     for name, (path, kind) in datasets.items():
         reports[name] = {"name": name, "path": _shown(path, root), "kind": kind, "rows": 0}
         try:
-            rows = read_rows(path)
+            rows = read_dataset(path)
         except ValidateError as err:
             reports[name]["checks"] = [entry("file_is_readable", "the file can be read", "", [], error=str(err))]
             continue

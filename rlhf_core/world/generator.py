@@ -1,0 +1,285 @@
+"""The demo world: synthetic Reddit TL;DR posts whose gold reward we know.
+
+A post is rendered exactly like the prompts of `trl-lib/tldr` and the cleanrl TL;DR datasets
+(``SUBREDDIT: r/<x>\\n\\nTITLE: <title>\\n\\nPOST: <body>\\n\\nTL;DR:``) and a summary is a completion that
+starts with a space. Each post is about one person in the poster's life and carries 2-3 KEY FACTS:
+
+- incident (always):  who did what, ``my sister spent my college fund``
+- outcome (always):   how it ended, ``i froze my credit``
+- ask (60% of posts): what the poster asks, ``should i cut them off``
+
+hidden among 3-5 DISTRACTOR sentences (small talk that mentions other people and places).
+
+Facts are recoverable from the prompt text alone, without any metadata: events, outcomes and asks come
+from closed phrase lists that distractor templates never use, so `parse_facts` finds each fact by exact
+phrase match in the POST body, and the incident's subject is the word between ``my`` and the event.
+
+The gold reward of a summary is in rlhf_core/world/gold.py. Datasets are lists of plain dicts in the formats of
+the real datasets, so the same loaders read both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rlhf_core.world.config import WorldConfig
+from rlhf_core.world.gold import gold_reward
+from rlhf_core.world.vocabulary import (
+    ASK_SENTENCES,
+    DAYS,
+    DISTRACTOR_RELATIONS,
+    DISTRACTORS,
+    DOMAINS,
+    HOBBIES,
+    INCIDENT_SENTENCES,
+    NAMES,
+    OUTCOME_SENTENCES,
+    PLACES,
+    RAMBLES,
+    TIMES,
+    TITLES,
+    Fact,
+    listed_phrase,
+    words,
+)
+
+ASK_PROBABILITY = 0.6
+
+
+@dataclass(frozen=True)
+class Post:
+    """A generated post, with the facts and distractors it was built from (`parse_facts` recovers the facts)."""
+
+    subreddit: str
+    title: str
+    body: tuple[str, ...]  # sentences: the fact sentences in order, distractors interleaved
+    facts: tuple[Fact, ...]
+    distractors: tuple[str, ...]  # distractor clauses as a summary would quote them
+
+    @property
+    def prompt(self) -> str:
+        return f"SUBREDDIT: r/{self.subreddit}\n\nTITLE: {self.title}\n\nPOST: {' '.join(self.body)}\n\nTL;DR:"
+
+
+def _fill(template: str, rng: random.Random, **slots: str) -> str:
+    """Fill `template`, drawing each slot not given from its closed vocabulary."""
+    pools = {"time": TIMES, "name": NAMES, "place": PLACES, "hobby": HOBBIES, "day": DAYS,
+             "age": tuple(str(a) for a in range(19, 41))}
+    fields = re.findall(r"{(\w+)}", template)
+    return template.format(**{f: slots[f] if f in slots else rng.choice(pools[f]) for f in fields})
+
+
+def sample_post(rng: random.Random) -> Post:
+    """Draw one post: 2-3 facts about one relation, 3-5 distractors about other people, shuffled in."""
+    domain = rng.choice(DOMAINS)
+    relation = rng.choice(domain.relations)
+    facts = [Fact("incident", f"my {relation} {rng.choice(domain.events)}"),
+             Fact("outcome", rng.choice(domain.outcomes))]
+    if rng.random() < ASK_PROBABILITY:
+        facts.append(Fact("ask", rng.choice(domain.asks)))
+    templates = {"incident": INCIDENT_SENTENCES, "outcome": OUTCOME_SENTENCES, "ask": ASK_SENTENCES}
+    fact_sentences = [_fill(rng.choice(templates[f.kind]), rng, fact=f.phrase) for f in facts]
+    others = [r for r in DISTRACTOR_RELATIONS if r != relation]
+    distractors = [_fill(rng.choice(DISTRACTORS), rng, relation=rng.choice(others))
+                   for _ in range(rng.randint(3, 5))]
+    # Facts keep their order (incident, outcome, ask); distractors fill the remaining slots.
+    slots = set(rng.sample(range(len(facts) + len(distractors)), len(facts)))
+    fact_iter, distractor_iter = iter(fact_sentences), iter(d + "." for d in distractors)
+    body = tuple(next(fact_iter) if i in slots else next(distractor_iter)
+                 for i in range(len(facts) + len(distractors)))
+    title = rng.choice(TITLES).format(relation=relation)
+    return Post(domain.subreddit, title, body, tuple(facts), tuple(distractors))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Summaries: the reference, and perturbations of it. A draft is the summary's statements (incident,
+# outcome, extra clauses) plus the ask, rendered as ``" s1 and s2, ask?"``.
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A summary before rendering, so that perturbations compose."""
+
+    statements: tuple[str, ...]
+    ask: str | None
+    joiner: str  # between statements: " and " or ", "
+
+    def render(self) -> str:
+        text = self.joiner.join(self.statements)
+        if self.ask:
+            text = f"{text}, {self.ask}?" if text else f"{self.ask}?"
+        return " " + text
+
+
+def reference_draft(post: Post, rng: random.Random) -> Draft:
+    asks = [f.phrase for f in post.facts if f.kind == "ask"]
+    statements = tuple(f.phrase for f in post.facts if f.kind != "ask")
+    return Draft(statements, asks[0] if asks else None, rng.choice((" and ", ", ")))
+
+
+def drop_fact(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    if draft.ask and rng.random() < 0.5:
+        return dataclasses.replace(draft, ask=None)
+    drop = rng.randrange(len(draft.statements))
+    return dataclasses.replace(draft, statements=draft.statements[:drop] + draft.statements[drop + 1:])
+
+
+def swap_fact(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    """Misstate one fact with a plausible one of the same subreddit that the post does not say: another
+    person (``my brother`` for ``my sister``), event, outcome or ask, or an ask the poster never asked."""
+    domain = next(d for d in DOMAINS if d.subreddit == post.subreddit)
+    said = f" {' '.join(words(post.prompt))} "
+
+    def unsaid(pool: tuple[str, ...]) -> list[str]:
+        return [p for p in pool if f" {p} " not in said]
+
+    kind = rng.choice(("incident", "outcome", "ask"))
+    if kind == "ask":
+        return dataclasses.replace(draft, ask=rng.choice(unsaid(domain.asks)))
+    old = next(f.phrase for f in post.facts if f.kind == kind)
+    if old not in draft.statements:  # dropped already: state a wrong ask instead
+        return dataclasses.replace(draft, ask=rng.choice(unsaid(domain.asks)))
+    if kind == "outcome":
+        new = rng.choice(unsaid(domain.outcomes))
+    elif rng.random() < 0.5:
+        relation = old.split()[1]
+        new = old.replace(f"my {relation}", f"my {rng.choice(unsaid(domain.relations))}", 1)
+    else:
+        new = old.replace(listed_phrase(post.facts[0]), rng.choice(unsaid(domain.events)), 1)
+    return dataclasses.replace(draft, statements=tuple(new if s == old else s for s in draft.statements))
+
+
+def add_distractor(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    return dataclasses.replace(draft, statements=(*draft.statements, rng.choice(post.distractors)))
+
+
+def invent_entity(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    """Name someone the post never mentions: ``my sister and riley spent ...``."""
+    name = rng.choice([n for n in NAMES if n not in words(post.prompt)])
+    incident = post.facts[0].phrase
+    if incident not in draft.statements:
+        return dataclasses.replace(draft, statements=(*draft.statements, f"{name} was there too"))
+    relation = incident.split()[1]
+    named = incident.replace(f"my {relation}", f"my {relation} and {name}", 1)
+    return dataclasses.replace(draft, statements=tuple(named if s == incident else s for s in draft.statements))
+
+
+def repeat(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    return dataclasses.replace(draft, statements=(*draft.statements, rng.choice(draft.statements)))
+
+
+def ramble(post: Post, draft: Draft, rng: random.Random) -> Draft:
+    return dataclasses.replace(draft, statements=(*draft.statements, rng.choice(RAMBLES)))
+
+
+Perturbation = Callable[[Post, Draft, random.Random], Draft]
+# Applied in this order when combined, so a named entity is never dropped by a later perturbation.
+PERTURBATIONS: tuple[Perturbation, ...] = (drop_fact, invent_entity, add_distractor, repeat, ramble)
+# Content errors of some SFT demonstrations; SFT data never repeats itself: degenerate repetition is what RL,
+# not imitation, tends to produce.
+SFT_FLAWS: tuple[Perturbation, ...] = (drop_fact, invent_entity)
+# How demonstrators pad a summary: small talk from the post, or a ramble.
+SFT_PADDING: tuple[Perturbation, ...] = (add_distractor, ramble)
+
+
+def perturbed_draft(post: Post, rng: random.Random, perturbations: tuple[Perturbation, ...]) -> Draft:
+    draft = reference_draft(post, rng)
+    for perturb in perturbations:
+        draft = perturb(post, draft, rng)
+    return draft
+
+
+def candidate_draft(post: Post, rng: random.Random) -> Draft:
+    """A summary of varying quality for preference data: the reference with 0-2 perturbations."""
+    k = rng.choice((0, 1, 1, 2))
+    chosen = sorted(rng.sample(range(len(PERTURBATIONS)), k))
+    return perturbed_draft(post, rng, tuple(PERTURBATIONS[i] for i in chosen))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Datasets
+
+
+# Eval splits come first, so they stay the same when only the train sizes change.
+SPLITS = ("prompts_eval", "sft_eval", "prefs_eval", "prompts_train", "sft_train", "prefs_train")
+
+
+def _fresh_post(rng: random.Random, seen: set[str]) -> Post:
+    """A post whose prompt no split has used yet, so that splits share no prompt."""
+    post = sample_post(rng)
+    while post.prompt in seen:
+        post = sample_post(rng)
+    seen.add(post.prompt)
+    return post
+
+
+def _sft_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str]:
+    flaws = (rng.choice(SFT_FLAWS),) if rng.random() < config.sft_flawed_fraction else ()
+    padding = (rng.choice(SFT_PADDING),) if rng.random() < config.sft_padded_fraction else ()
+    return {"prompt": post.prompt, "completion": perturbed_draft(post, rng, flaws + padding).render()}
+
+
+def _preference_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str] | None:
+    """Two candidates ordered by gold reward, swapped with probability `label_noise`; None on a tie."""
+    draft = candidate_draft(post, rng)
+    misstated = rng.random() < config.misstated_pair_fraction
+    a, b = draft.render(), (swap_fact(post, draft, rng) if misstated else candidate_draft(post, rng)).render()
+    gold_a, gold_b = gold_reward(post.prompt, a), gold_reward(post.prompt, b)
+    if gold_a == gold_b:
+        return None
+    chosen, rejected = (a, b) if gold_a > gold_b else (b, a)
+    if rng.random() < config.label_noise:
+        chosen, rejected = rejected, chosen
+    return {"prompt": post.prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _prompt_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str]:
+    return {"prompt": post.prompt}
+
+
+def _eval_row(post: Post, rng: random.Random, config: WorldConfig) -> dict[str, str]:
+    return {"prompt": post.prompt, "reference": reference_draft(post, rng).render()}
+
+
+_ROW_BUILDERS = {"prompts_eval": _eval_row, "sft_eval": _sft_row, "prefs_eval": _preference_row,
+                 "prompts_train": _prompt_row, "sft_train": _sft_row, "prefs_train": _preference_row}
+
+
+def build_world(seed: int, config: WorldConfig | None = None) -> dict[str, list[dict[str, str]]]:
+    """All splits of the demo world; the same seed and config give identical rows.
+
+    Every split draws from its own generator (seeded by seed and split name) and no two rows of any
+    splits share a prompt.
+    """
+    config = config or WorldConfig()
+    seen: set[str] = set()
+    world = {}
+    for split in SPLITS:
+        rng = random.Random(f"tldr-world/{seed}/{split}")
+        rows: list[dict[str, str]] = []
+        while len(rows) < getattr(config, split):
+            row = _ROW_BUILDERS[split](_fresh_post(rng, seen), rng, config)
+            if row is not None:
+                rows.append(row)
+        world[split] = rows
+    return world
+
+
+def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset()) -> list[dict[str, str]]:
+    """`n` probe pairs {prompt, chosen: the reference, rejected: it with one misstated fact (`swap_fact`)}.
+
+    They measure whether a reward model checks a summary against its post, the check an RL policy
+    exploits when it is missing. Posts are fresh (prompts in `exclude`, e.g. the training splits', are skipped).
+    """
+    rng, seen = random.Random(f"tldr-world/{seed}/misstated"), set(exclude)
+    rows = []
+    for _ in range(n):
+        post = _fresh_post(rng, seen)
+        reference = reference_draft(post, rng)
+        rows.append({"prompt": post.prompt, "chosen": reference.render(),
+                     "rejected": swap_fact(post, reference, rng).render()})
+    return rows

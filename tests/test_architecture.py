@@ -1,0 +1,94 @@
+"""The layers, read from the source: cli -> flows -> tasks -> rlhf_core, no import upward (also none inside a
+function), the stages as one folder, and the libraries each layer may use."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tasks.stages import STAGES
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ("rlhf_core", "tasks", "flows", "cli")  # bottom to top: a package may import its own layer and below
+ONLY_IN = {  # third-party packages and the only layers that may import them
+    "prefect": {"flows"},
+    "mlflow": {"tasks", "flows", "cli"},
+    "dvc": {"tasks", "flows"},
+    "great_expectations": {"tasks"},
+}
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, at any depth: module level, functions, branches."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every upward import, stage-to-stage import and banned library import under `root`'s layers."""
+    out = []
+    for rank, layer in enumerate(LAYERS):
+        for path in sorted((root / layer).rglob("*.py")):
+            where = path.relative_to(root)
+            for line, module in imports(path):
+                top = module.split(".")[0]
+                if top in LAYERS and LAYERS.index(top) > rank:
+                    out.append(f"{where}:{line} imports {module}: {layer} sits below {top}")
+                if top in ONLY_IN and layer not in ONLY_IN[top]:
+                    out.append(f"{where}:{line} imports {module}: only {sorted(ONLY_IN[top])} may")
+                in_stage = where.parts[:2] == ("tasks", "stages") and path.name != "__init__.py"
+                if in_stage and module.startswith("tasks.stages.") and module != f"tasks.stages.{path.stem}":
+                    out.append(f"{where}:{line} imports {module}: a stage never imports another stage")
+                if where.parts[:2] == ("tasks", "common") and module.startswith("tasks.stages."):
+                    out.append(f"{where}:{line} imports {module}: the stages' plumbing never imports a stage")
+    return out
+
+
+def test_no_upward_import_anywhere():
+    assert violations(ROOT) == []
+
+
+def test_the_checker_sees_an_import_hidden_in_a_function(tmp_path):
+    for layer in LAYERS:
+        (tmp_path / layer).mkdir()
+    (tmp_path / "tasks" / "sneaky.py").write_text("def f():\n    from flows.pipeline import rlhf_pipeline\n")
+    (tmp_path / "rlhf_core" / "logs.py").write_text("if True:\n    import mlflow\n")
+    (tmp_path / "tasks" / "stages").mkdir()
+    (tmp_path / "tasks" / "stages" / "evaluate.py").write_text("from tasks.stages.train import build_trainer\n")
+    found = violations(tmp_path)
+    assert any("tasks/sneaky.py:2 imports flows.pipeline" in v for v in found), found
+    assert any("rlhf_core/logs.py:2 imports mlflow" in v for v in found), found
+    assert any("a stage never imports another stage" in v for v in found), found
+
+
+def test_every_dvc_stage_is_one_module_of_the_stages_folder_named_as_it():
+    import yaml
+
+    stages = list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    assert list(STAGES) == stages, "tasks.stages.STAGES lists dvc.yaml's stages in its order"
+    modules = {p.stem for p in (ROOT / "tasks" / "stages").glob("*.py")} - {"__init__"}
+    assert modules == {name.replace("-", "_") for name in stages}
+    for name, module in STAGES.items():
+        assert module == f"tasks.stages.{name.replace('-', '_')}"
+        tree = ast.parse((ROOT / "tasks" / "stages" / f"{name.replace('-', '_')}.py").read_text())
+        run = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run"), None)
+        assert run is not None and [a.arg for a in run.args.args] == ["params", "paths"], f"{module}.run(params, paths)"
+
+
+@pytest.mark.parametrize("module", ["rlhf_core", "tasks.stages.train", "tasks.common.runner"])
+def test_importing_the_library_and_the_stages_never_loads_the_orchestration(module):
+    """A stage process loads neither Prefect nor the CLI (checked at run time, in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, importlib; importlib.import_module({module!r}); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'cli')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
