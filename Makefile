@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# CPU build of torch; installed first so that no later requirement pulls a CUDA build (STACK.md).
+# CPU build of torch; installed first so that no later requirement pulls a CUDA build (several GB).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test test-all bench lint clean
+.PHONY: setup run test bench lint dvc-deps clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# dvc.yaml's code deps are generated from each stage's imports (tests/test_code_deps.py fails when stale).
+dvc-deps: setup
+	$(BIN)/python -m tasks.common.code_deps --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -17,7 +17,7 @@ import time
 from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_jsonl
 from rlhf_core.models import load_policy
-from tasks.common.gold import gold_fn
+from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import load_params
 from tasks.common.paths import Paths
 from tasks.stages.train import build_trainer

@@ -15,20 +15,9 @@ from typing import Any
 import yaml
 
 from rlhf_core.jsonio import write_json
-from tasks.common.params import PARAMS_FILE, deep_merge, load_params, parse_override
+from tasks.common.params import PARAMS_FILE, deep_merge, flatten, load_params, parse_override
 
 RUNS_DIR = "reports/runs"
-
-
-def leaves(data: dict, prefix: str = "") -> dict[str, Any]:
-    """{'train': {'kl_coef': 0.1}} -> {'train.kl_coef': 0.1}."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _get(data: dict, key: str) -> Any:
@@ -56,7 +45,7 @@ def apply_overrides(root: str | Path, profile: str, overrides: list[str]) -> lis
     wanted: dict = {}
     for item in overrides:
         wanted = deep_merge(wanted, parse_override(item))
-    settings = {**leaves(wanted), "base.profile": profile}
+    settings = {**flatten(wanted), "base.profile": profile}
     path = Path(root) / PARAMS_FILE
     current = yaml.safe_load(path.read_text()) or {}
     changes = [(key, _get(current, key), value) for key, value in settings.items() if _get(current, key) != value]

@@ -21,6 +21,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rlhf_core.jsonio import atomic_path
+
 
 def disable_dropout(model: nn.Module) -> nn.Module:
     """Set every dropout probability to 0: rollout and training must see the same function."""
@@ -67,6 +69,13 @@ def reward_model_from_policy(policy: PreTrainedModel, seed: int = 0) -> PreTrain
         scorer = AutoModelForSequenceClassification.from_config(config)
     scorer.base_model.load_state_dict(policy.base_model.state_dict())
     return scorer.to(device=policy.device, dtype=policy.dtype)
+
+
+def save_model(model, tokenizer, target: str | os.PathLike) -> None:
+    """Model (safetensors) + tokenizer, written atomically."""
+    with atomic_path(target, directory=True) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
 
 
 def _source(name_or_path: str | os.PathLike) -> str:

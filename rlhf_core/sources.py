@@ -49,7 +49,7 @@ def _read_json_lines(path: Path) -> list[dict]:
         rows = read_jsonl(path)
     except JsonFileError as err:
         raise SourceError(str(err)) from None
-    if not rows:
+    if not rows and not path.read_bytes().strip():
         raise SourceError(f"{path}: the file is empty; expected one JSON object per line")
     return rows
 

@@ -51,6 +51,13 @@ def prompts():
     return [torch.randint(2, TINY_VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
+def world_tokenizer(world: dict[str, list[dict]]):
+    """A tokenizer trained on every text of a built world (what `prepare` trains, on all splits)."""
+    from rlhf_core.world.tokenizer import train_tokenizer
+
+    return train_tokenizer(text for rows in world.values() for row in rows for text in row.values())
+
+
 def target_fraction(prompts: list[str], completions: list[str]) -> list[float]:
     """A learnable reward: the fraction of the completion's words that are the target word."""
     return [c.split().count(TARGET_WORD) / max(len(c.split()), 1) for c in completions]

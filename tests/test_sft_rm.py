@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import world_tokenizer
 from rlhf_core.batching import pad
 from rlhf_core.config import RewardConfig, SFTConfig
 from rlhf_core.models import (
@@ -36,7 +37,6 @@ from rlhf_core.sft_trainer import (
 from rlhf_core.world.config import WorldConfig
 from rlhf_core.world.generator import build_world
 from rlhf_core.world.gold import gold_reward
-from rlhf_core.world.tokenizer import train_tokenizer
 
 SLICE = WorldConfig(sft_train=256, sft_eval=32, prefs_train=256, prefs_eval=64, prompts_train=8,
                     prompts_eval=16)
@@ -51,7 +51,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def tokenizer(world):
-    return train_tokenizer(text for rows in world.values() for row in rows for text in row.values())
+    return world_tokenizer(world)
 
 
 @pytest.fixture(scope="module")
@@ -252,13 +252,13 @@ def test_gold_accuracy_compares_with_the_gold_ordering_and_skips_ties(world, tok
     model = init_sequence_scorer(model_config, seed=0)
     rows = world["prefs_eval"][:32]
     chosen = {row["prompt"]: row["chosen"] for row in rows}
-    agrees = evaluate_reward_model(model, tokenizer, rows, gold=lambda p, c: float(c == chosen[p]))
-    reverse = evaluate_reward_model(model, tokenizer, rows, gold=lambda p, c: float(c != chosen[p]))
+    agrees = evaluate_reward_model(model, tokenizer, rows, gold=lambda p, c, ended: float(c == chosen[p]))
+    reverse = evaluate_reward_model(model, tokenizer, rows, gold=lambda p, c, ended: float(c != chosen[p]))
     assert agrees["eval/gold_accuracy"] == agrees["eval/accuracy"]
     assert reverse["eval/gold_accuracy"] == pytest.approx(1 - agrees["eval/accuracy"])
     first = rows[0]  # the only pair whose gold rewards differ
     ties = evaluate_reward_model(model, tokenizer, rows,
-                                 gold=lambda p, c: float(p == first["prompt"] and c == first["chosen"]))
+                                 gold=lambda p, c, ended: float(p == first["prompt"] and c == first["chosen"]))
     with torch.no_grad():
         c, r = pair_scores(model, pair_collate(encode_pairs(tokenizer, [first], 320), tokenizer.pad_token_id))
     assert ties["eval/gold_accuracy"] == float(c.item() > r.item())

@@ -6,10 +6,10 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import world_tokenizer
 from rlhf_core.world.config import WorldConfig
 from rlhf_core.world.generator import build_world, misstated_pairs, reference_draft, sample_post, swap_fact
 from rlhf_core.world.gold import gold_breakdown, gold_reward, parse_facts
-from rlhf_core.world.tokenizer import train_tokenizer
 from rlhf_core.world.vocabulary import Fact, words
 
 SMALL = WorldConfig(sft_train=2000, sft_eval=50, prefs_train=2000, prefs_eval=50, prompts_train=100,
@@ -32,7 +32,7 @@ def world():
 
 @pytest.fixture(scope="module")
 def tokenizer(world):
-    return train_tokenizer(text for rows in world.values() for row in rows for text in row.values())
+    return world_tokenizer(world)
 
 
 # ---- determinism and dataset contracts

@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tasks.common.params import flatten
+
 log = logging.getLogger(__name__)
 
 FLUSH_EVERY = 10  # updates per log_batch: one round trip instead of ~50 per update (a server: 4.6 s / 50 calls)
@@ -20,18 +22,6 @@ FLUSH_EVERY = 10  # updates per log_batch: one round trip instead of ~50 per upd
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 _MAX_PARAM_VALUE = 6000
-
-
-def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'rloo': {'rloo_k': 2}}} -> {'train.rloo.rloo_k': 2}."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = value
-    return out
 
 
 def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +155,17 @@ def deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
             else copy.deepcopy(value)
+    return out
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'rloo': {'rloo_k': 2}}} -> {'train.rloo.rloo_k': 2}: the dotted keys of overrides and MLflow."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out
 
 

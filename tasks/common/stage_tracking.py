@@ -13,7 +13,7 @@ import os
 import traceback
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_TABLE_ROWS = 5000
 
 
+@dataclass
 class MlflowStageRun:
     """The MLflow run of the stage in progress."""
 

@@ -7,7 +7,7 @@ from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.scoring import RewardModelScorer
-from tasks.common.gold import gold_fn
+from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.plots import plot_evaluation

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from rlhf_core.jsonio import read_jsonl, write_json
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer, reward_model_from_policy
+from rlhf_core.models import (
+    load_policy,
+    load_scorer_model,
+    load_tokenizer,
+    reward_model_from_policy,
+    save_model,
+)
 from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
 from rlhf_core.world.generator import misstated_pairs
-from tasks.common.gold import gold_fn
-from tasks.common.models import save_model, tiny_reward_model
+from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import epoch_callback, progress_bar
+from tasks.common.tiny_models import tiny_reward_model
 
 
 def run(params: Params, paths: Paths) -> dict:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from rlhf_core.jsonio import read_jsonl, write_json
-from rlhf_core.models import load_policy, load_tokenizer
+from rlhf_core.models import load_policy, load_tokenizer, save_model
 from rlhf_core.sft_trainer import evaluate_sft, train_sft
-from tasks.common.gold import gold_fn
-from tasks.common.models import save_model, tiny_policy
+from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import epoch_callback, progress_bar
+from tasks.common.tiny_models import tiny_policy
 
 
 def run(params: Params, paths: Paths) -> dict:

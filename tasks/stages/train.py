@@ -14,12 +14,17 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer, reward_model_from_policy
+from rlhf_core.models import (
+    load_policy,
+    load_scorer_model,
+    load_tokenizer,
+    reward_model_from_policy,
+    save_model,
+)
 from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker
-from tasks.common.models import save_model
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import ProgressTracker, progress_bar

@@ -1,10 +1,7 @@
-"""The models stages make and save: the demo's tiny GPT-NeoX policy and reward model, and atomic saves."""
+"""The demo's tiny GPT-NeoX policy and reward model, sized by params (`sft.tiny`) and seeded by `base.seed`."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from rlhf_core.jsonio import atomic_path
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
 from tasks.common.params import Params
 
@@ -25,10 +22,3 @@ def tiny_policy(params: Params, tokenizer):
 def tiny_reward_model(params: Params, tokenizer):
     """A fresh GPT-NeoX sequence classifier (num_labels=1) of the demo's size."""
     return init_sequence_scorer(_tiny_config(params, tokenizer), seed=params.base.seed + 1)
-
-
-def save_model(model, tokenizer, target: Path) -> None:
-    """Model (safetensors) + tokenizer, written atomically."""
-    with atomic_path(target, directory=True) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
