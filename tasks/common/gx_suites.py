@@ -4,7 +4,7 @@ A suite is a list of GX expectations built from the kind, the columns the frame 
 Token lengths are not something GX can measure, so the frame gets a `<column>_tokens` column (counts of the
 policy tokenizer) that a plain `ExpectColumnValuesToBeBetween` bounds. Rows are numbered from 1 (the frame's
 index), so every unexpected row GX reports is the row number a user finds in the file. Values that are not
-strings reach GX as their JSON text (tasks/validate.py reports them with a plain check): GX fingerprints and
+strings reach GX as their JSON text (tasks/stages/validate.py reports them with a plain check): GX fingerprints and
 hashes every value, and a raw JSON list would crash it.
 """
 

@@ -90,7 +90,7 @@ class RewardModelParams(RewardConfig):
 
 
 class InspectParams(InspectionConfig):
-    """The reward-model inspection (stage `inspect`); fields documented in rlhf_core/inspection.py."""
+    """The reward-model inspection (stage `inspect`); fields documented in rlhf_core/config.py."""
 
 
 class TrainParams(RLConfig):

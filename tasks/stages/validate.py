@@ -1,6 +1,6 @@
 """Stage `validate` and `rlhf validate`: every dataset is checked before any model trains on it.
 
-Each split in data/ is validated with the Great Expectations suite of its kind (tasks/expectations.py), plus
+Each split in data/ is validated with the Great Expectations suite of its kind (tasks/common/gx_suites.py), plus
 plain checks for what GX does not express on one frame: values that are not strings, prompts shared between
 train and eval splits, and files that cannot be read at all. The stage writes `reports/validation/report.json`
 (every expectation: column, success, unexpected count, example rows), `reports/validation/summary.md` (each
