@@ -18,10 +18,15 @@ References:
       https://arxiv.org/abs/2403.17031 (summarize_from_feedback_details)
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 KL_ESTIMATORS = ("k1", "k3")
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over all processes (`accelerator.reduce(t, "sum")`); statistics that the docs call global
+reduce their numerators and denominators with it, never means of means. None: this process alone."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -29,15 +34,17 @@ KL_ESTIMATORS = ("k1", "k3")
 # ---------------------------------------------------------------------------------------------
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                reduce: Reduce | None = None) -> torch.Tensor:
     """Mean of ``values`` over the positions where ``mask`` is set.
 
-        masked_mean = sum(values * mask) / sum(mask)
+        masked_mean = sum(values * mask) / sum(mask)      (each sum over every process with ``reduce``)
 
     Args:
         values: (...) floating tensor, e.g. (B, T).
         mask: same shape as ``values``; bool or 0/1 float.
         dim: reduce over all elements when None (-> scalar), else along ``dim`` only.
+        reduce: with dim None, sums the numerator and denominator across processes (a global mean).
 
     Returns:
         scalar tensor, or ``values`` with ``dim`` reduced. An all-zero mask gives NaN (0/0); no
@@ -46,11 +53,15 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
     mask = mask.to(values.dtype)  # bool -> float so that multiplication and sums are in values' dtype
     if dim is None:
+        if reduce is not None:
+            return reduce((values * mask).sum()) / reduce(mask.sum())
         return (values * mask).sum() / mask.sum()
+    assert reduce is None, "a global mean is over all elements (dim=None)"
     return (values * mask).sum(dim) / mask.sum(dim)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+               reduce: Reduce | None = None) -> torch.Tensor:
     """Variance of ``values`` over all masked positions.
 
         mu  = masked_mean(values, mask)
@@ -62,6 +73,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
         values: (...) floating tensor, e.g. (B, T).
         mask: same shape as ``values``; bool or 0/1 float.
         unbiased: apply Bessel's correction (matches ``torch.var(values[mask])``).
+        reduce: makes mu, the squared deviations and n global sums over processes.
 
     Returns:
         scalar tensor.
@@ -71,7 +83,7 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
             Checking this reads n on the host (one device sync per call).
     """
     assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
-    n = mask.sum()  # scalar
+    n = mask.sum() if reduce is None else reduce(mask.sum().to(values.dtype))  # scalar
     n_host = float(n)  # the single sync: needed to raise instead of silently returning NaN/inf
     if n_host == 0:
         raise ValueError("masked_var: the mask selects no elements; the variance is undefined.")
@@ -80,14 +92,15 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
             "masked_var: the mask selects a single element; the unbiased variance (n - 1 = 0) is "
             "undefined. Use more elements or unbiased=False."
         )
-    mean = masked_mean(values, mask)  # scalar
-    variance = masked_mean((values - mean) ** 2, mask)  # scalar
+    mean = masked_mean(values, mask, reduce=reduce)  # scalar
+    variance = masked_mean((values - mean) ** 2, mask, reduce=reduce)  # scalar
     if unbiased:
         variance = variance * (n_host / (n_host - 1))  # Bessel's correction
     return variance
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  reduce: Reduce | None = None) -> torch.Tensor:
     """Normalize ``values`` to zero mean and unit variance using masked statistics.
 
         out = (values - mu) * rsqrt(var + 1e-8)
@@ -98,6 +111,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
         values: (...) floating tensor, e.g. advantages (B, T).
         mask: same shape as ``values``; bool or 0/1 float.
         shift_mean: subtract the mean (True) or keep it (False, e.g. for rewards).
+        reduce: whiten with the statistics of the global batch (every process's shard).
 
     Returns:
         tensor of ``values``' shape. Masked-out positions hold the same affine transform of their
@@ -106,8 +120,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     Raises:
         ValueError: from ``masked_var`` if the mask has fewer than 2 elements.
     """
-    mean = masked_mean(values, mask)  # scalar
-    var = masked_var(values, mask, unbiased=True)  # scalar; asserts shapes, raises on tiny masks
+    mean = masked_mean(values, mask, reduce=reduce)  # scalar
+    var = masked_var(values, mask, unbiased=True, reduce=reduce)  # scalar; asserts shapes, raises on tiny masks
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)  # (...)
     if not shift_mean:
         whitened = whitened + mean

@@ -42,15 +42,17 @@ def shaped_rewards(batch: Rollout, kl_coef: float, estimator: str) -> tuple[Tens
     return rewards, kl
 
 
-def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str, Tensor]]:
-    """Fill rewards, advantages (GAE, whitened) and returns; also per-episode stats (B,)."""
+def compute_advantages(batch: Rollout, cfg: RLConfig,
+                       reduce: ops.Reduce | None = None) -> tuple[Rollout, dict[str, Tensor]]:
+    """Fill rewards, advantages (GAE, whitened) and returns; also per-episode stats (B,). Whitening uses the
+    global batch's statistics when `reduce` sums across processes."""
     mask = batch.response_mask
     rewards, kl = shaped_rewards(batch, cfg.kl_coef, cfg.kl_estimator)
     if cfg.ppo.whiten_rewards:
-        rewards = ops.masked_whiten(rewards, mask, shift_mean=False) * mask
+        rewards = ops.masked_whiten(rewards, mask, shift_mean=False, reduce=reduce) * mask
     advantages, returns = ops.gae(rewards, batch.values * mask, cfg.ppo.gamma, cfg.ppo.lam)
     if cfg.whiten_advantages:
-        advantages = ops.masked_whiten(advantages, mask)
+        advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
     advantages = advantages * mask
     non_score_reward = -cfg.kl_coef * kl.sum(1)  # (B,)
     stats = {"kl": kl.sum(1), "non_score_reward": non_score_reward,

@@ -151,7 +151,7 @@ class RLTrainer:
             with metrics.timer("time/score_s"):
                 batch = self.score(batch)
             with metrics.timer("time/advantages_s"):
-                batch, episode_stats = self.algo.compute_advantages(batch, self.cfg)
+                batch, episode_stats = self.compute_advantages(batch)
             with metrics.timer("time/update_s"):
                 self.optimize(batch, metrics)
             self.state.update += 1
@@ -205,6 +205,12 @@ class RLTrainer:
         if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
             scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
         return replace(batch, scores=scores)
+
+    def compute_advantages(self, batch: Rollout) -> tuple[Rollout, dict[str, Tensor]]:
+        """The algorithm's advantages; whitening and normalization over the global batch (all processes)."""
+        acc = self.accelerator
+        reduce = None if acc.num_processes == 1 else (lambda t: acc.reduce(t, reduction="sum"))
+        return self.algo.compute_advantages(batch, self.cfg, reduce=reduce)
 
     def optimize(self, batch: Rollout, metrics: MetricAccumulator) -> None:
         """num_epochs passes of shuffled mini-batches, each accumulated over micro-batches.

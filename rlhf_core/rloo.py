@@ -13,6 +13,7 @@ KL placement (`rloo.kl_level`):
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -25,13 +26,21 @@ from rlhf_core.rollout import PolicyOutput, Rollout
 USES_VALUE_MODEL = False
 
 
-def _standardize(x: Tensor, ref: Tensor, clip: float) -> Tensor:
-    """(x - mean(ref)) / std(ref), clipped to +-clip (TRL's normalize_reward)."""
-    return ((x - ref.mean()) / (ref.std() + 1e-8)).clamp(-clip, clip)
+def _standardize(x: Tensor, ref: Tensor, reduce: ops.Reduce | None, clip: float = math.inf) -> Tensor:
+    """(x - mean(ref)) / (std(ref) + 1e-8), clipped to +-clip (TRL's normalize_reward); mean and std over
+    the global batch when `reduce` sums across processes."""
+    every = torch.ones_like(ref, dtype=torch.bool)
+    mean = ops.masked_mean(ref, every, reduce=reduce)
+    std = ops.masked_var(ref, every, reduce=reduce).sqrt()
+    return ((x - mean) / (std + 1e-8)).clamp(-clip, clip)
 
 
-def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str, Tensor]]:
+def compute_advantages(batch: Rollout, cfg: RLConfig,
+                       reduce: ops.Reduce | None = None) -> tuple[Rollout, dict[str, Tensor]]:
     """Fill advantages ((B, 1) sequence-level or (B, R) token-level) and per-episode stats (B,).
+
+    Each process holds whole prompt groups (all k completions of a prompt), so the leave-one-out baseline
+    is local; the normalizations use global statistics (`reduce`).
 
     The stats include each episode's baselined reward (`rloo/reward`: the sequence reward, or G_0 at token
     level, after any normalization) and its leave-one-out baseline (`rloo/baseline`).
@@ -43,12 +52,12 @@ def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str
     stats = {"kl": kl.sum(1), "non_score_reward": non_score_reward, "rlhf_reward": rlhf_reward}
 
     if opts.kl_level == "sequence":
-        reward = _standardize(rlhf_reward, rlhf_reward, opts.reward_clip_range) if opts.normalize_reward \
+        reward = _standardize(rlhf_reward, rlhf_reward, reduce, opts.reward_clip_range) if opts.normalize_reward \
             else rlhf_reward
         advantages = ops.rloo_advantages(reward.view(-1, k)).view(-1, 1)  # (B, 1)
         stats.update({"rloo/reward": reward, "rloo/baseline": reward - advantages.view(-1)})  # for the trace
         if opts.normalize_advantage:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+            advantages = _standardize(advantages, advantages, reduce)
         rewards = None
     else:
         rewards = -cfg.kl_coef * kl  # (B, R)
@@ -56,13 +65,13 @@ def compute_advantages(batch: Rollout, cfg: RLConfig) -> tuple[Rollout, dict[str
         rewards[torch.arange(len(batch), device=kl.device), last] += batch.scores
         to_go = rewards.flip(1).cumsum(1).flip(1)  # (B, R) G_t = sum_{t' >= t} r_t'
         if opts.normalize_reward:
-            to_go = _standardize(to_go, to_go[:, 0], opts.reward_clip_range)
+            to_go = _standardize(to_go, to_go[:, 0], reduce, opts.reward_clip_range)
         start = to_go[:, 0]  # (B,) G_0, the whole episode's reward
         baseline = start - ops.rloo_advantages(start.view(-1, k)).view(-1)  # (B,) leave-one-out mean
         stats.update({"rloo/reward": start, "rloo/baseline": baseline})  # for the trace
         advantages = to_go - baseline[:, None]
         if opts.normalize_advantage:
-            advantages = ops.masked_whiten(advantages, mask)
+            advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
         advantages = advantages * mask
     filled = replace(batch, rewards=rewards, advantages=advantages)
     return filled, stats

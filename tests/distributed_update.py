@@ -1,7 +1,8 @@
 """One PPO/RLOO update on a fixed rollout, run by 1 process or by `torchrun --nproc_per_node 2`.
 
-Every process builds the same global rollout (same seed), keeps its shard, and optimizes; rank 0
-saves the updated parameters. The test compares the 1- and 2-process results.
+Every process builds the same global rollout (same seed), keeps its shard, computes the advantages of its
+shard (whitening and normalization must use the global batch's statistics) and optimizes; rank 0 saves the
+advantages and the updated parameters. The test compares the 1- and 2-process results.
 Usage: python distributed_update.py ALGO OUT.pt
 """
 
@@ -28,7 +29,7 @@ def main(algo: str, out: str) -> None:
     cfg = RLConfig(algo=algo, total_episodes=GLOBAL_EPISODES, per_device_train_batch_size=micro,
                    gradient_accumulation_steps=ACCUMULATION, num_epochs=2, local_rollout_forward_batch_size=GLOBAL_EPISODES,
                    response_length=6, stop_token="eos", temperature=1.0, learning_rate=1e-3, kl_coef=0.05,
-                   rloo={"rloo_k": 2})
+                   rloo={"rloo_k": 2, "normalize_reward": True, "normalize_advantage": True})
     tokenizer = word_tokenizer(16)
     config = tiny_gpt_neox_config(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                                   max_positions=64)
@@ -42,11 +43,13 @@ def main(algo: str, out: str) -> None:
     torch.manual_seed(1234)  # the same global rollout on every process
     k = cfg.samples_per_prompt
     batch = trainer.score(trainer.rollout(list(range(GLOBAL_EPISODES // k))))
-    batch, _ = trainer.algo.compute_advantages(batch, cfg)
     shard = len(batch) // world
-    trainer.optimize(batch[rank * shard:(rank + 1) * shard], MetricAccumulator())
+    batch, _ = trainer.compute_advantages(batch[rank * shard:(rank + 1) * shard])  # each rank its own data
+    advantages = accelerator.gather(batch.advantages)  # (B, R) in rank order: the global batch's
+    trainer.optimize(batch, MetricAccumulator())
     if accelerator.is_main_process:
-        torch.save({k: v.detach().clone() for k, v in trainer.unwrapped.state_dict().items()}, out)
+        result = {k: v.detach().clone() for k, v in trainer.unwrapped.state_dict().items()}
+        torch.save({**result, "advantages": advantages}, out)
     accelerator.wait_for_everyone()
     print(f"rank {rank}/{world}: done", flush=True)
 

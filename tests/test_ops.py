@@ -480,3 +480,13 @@ def test_ppo_value_loss_clipfrac_values():
     loss.backward()
     # the clipped element has no gradient (the clipped prediction does not depend on values)
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, -1.5, 0.1]]) / 3)
+
+
+def test_global_statistics_on_one_process_equal_the_local_ones():
+    """`reduce` sums across processes; on one process (identity) every statistic is bitwise the local one."""
+    generator = torch.Generator().manual_seed(0)
+    values, mask = torch.randn(4, 6, generator=generator), torch.rand(4, 6, generator=generator) > 0.3
+    same = lambda t: t  # noqa: E731
+    assert torch.equal(masked_mean(values, mask, reduce=same), masked_mean(values, mask))
+    assert torch.equal(masked_var(values, mask, reduce=same), masked_var(values, mask))
+    assert torch.equal(masked_whiten(values, mask, reduce=same), masked_whiten(values, mask))
