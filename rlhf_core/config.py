@@ -259,3 +259,46 @@ class InspectionConfig(_Frozen):
     """Fail when held-out pairwise accuracy is below this (0 disables; a worse-than-chance RM is suspect)."""
     length_bias_warning: float = Field(0.5, gt=0.0, le=1.0)
     """Warn when |corr(score, completion length)| exceeds this."""
+
+
+# ---------------------------------------------------------------------------------------- runtime
+
+class RuntimeConfig(_Frozen):
+    """Where and how a stage's models run: one setting for every stage that runs a model, validated once.
+
+    Rollout, reference, reward and value forwards run in the training forward's precision (the autocast of
+    `mixed_precision`), so PPO's ratio is exactly 1 before the first step; frozen models are stored in
+    `frozen_dtype`. The demo runs on the CPU in fp32; a GPU profile sets bf16 and gradient checkpointing.
+    """
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """'auto': CUDA when present, else the CPU."""
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Autocast of every forward (training, rollout, reference, scoring); weights being trained stay fp32."""
+    frozen_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights of frozen models (reference, reward, evaluation copies); 'auto' follows mixed_precision."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass of trained models: less memory, ~30% more compute."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel of every loaded model; flash_attention_2 needs the flash-attn package and a GPU."""
+    num_processes: int = Field(1, gt=0)
+    """Training processes over all machines (one per GPU); >1 relaunches the stage under the launcher."""
+    num_machines: int = Field(1, gt=0)
+    """Machines of a multi-node run (each runs the same command; see infra/accelerate/)."""
+    accelerate_config: str | None = None
+    """An accelerate config file (infra/accelerate/*.yaml: multi-GPU, DeepSpeed ZeRO-2/3); set, the stage
+    relaunches itself under `accelerate launch --config_file`."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RuntimeConfig:
+        if self.mixed_precision == "fp16" and self.device == "cpu":
+            raise ValueError("mixed_precision fp16 needs a CUDA device (the CPU has bf16 autocast: use bf16)")
+        if self.num_machines > self.num_processes:
+            raise ValueError(f"num_machines {self.num_machines} > num_processes {self.num_processes}: every "
+                             "machine runs at least one process")
+        return self
+
+    @property
+    def launched(self) -> bool:
+        """Whether the stage runs under a launcher (more than one process, or an accelerate config)."""
+        return self.num_processes > 1 or self.accelerate_config is not None

@@ -95,13 +95,15 @@ def _load(loader, name_or_path, **kwargs) -> PreTrainedModel:
                       f"Hugging Face Hub (offline? set HF_HUB_OFFLINE=1 to fail fast). Cause: {err}") from err
 
 
-def load_policy(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    return disable_dropout(_load(AutoModelForCausalLM, name_or_path, dtype=dtype))
+def load_policy(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, **kwargs) -> PreTrainedModel:
+    """A causal LM; `kwargs` go to from_pretrained (attn_implementation: see rlhf_core.runtime)."""
+    return disable_dropout(_load(AutoModelForCausalLM, name_or_path, dtype=dtype, **kwargs))
 
 
-def load_scorer_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_scorer_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                      **kwargs) -> PreTrainedModel:
     """A reward or value model: `AutoModelForSequenceClassification` with num_labels=1."""
-    model = _load(AutoModelForSequenceClassification, name_or_path, dtype=dtype, num_labels=1)
+    model = _load(AutoModelForSequenceClassification, name_or_path, dtype=dtype, num_labels=1, **kwargs)
     return disable_dropout(model)
 
 

@@ -173,8 +173,11 @@ class RLTrainer:
                                   self.pad_token_id, "left")  # (B, P)
         queries, query_mask = queries.to(self.accelerator.device), query_mask.to(self.accelerator.device)
         step = self.cfg.local_rollout_forward_batch_size
-        return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step])
-                            for i in range(0, len(queries), step)])
+        # the training forward's autocast (accelerate applies it to the prepared model only): rollout,
+        # reference and value forwards in another precision make PPO's ratio wrong before any update
+        with self.accelerator.autocast():
+            return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step])
+                                for i in range(0, len(queries), step)])
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor) -> Rollout:
         model, cfg = self.unwrapped, self.cfg
@@ -201,7 +204,8 @@ class RLTrainer:
 
     def score(self, batch: Rollout) -> Rollout:
         """Score each completion; subtract the missing-EOS penalty from those that never stopped."""
-        scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
+        with self.accelerator.autocast():
+            scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
         if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
             scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
         return replace(batch, scores=scores)

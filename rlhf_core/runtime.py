@@ -1,0 +1,96 @@
+"""The one object between the trainers and the hardware: device, mixed precision, frozen-model dtype,
+gradient checkpointing and attention kernel, from `RuntimeConfig`, checked before any model loads.
+
+Trainers receive its Accelerator and never choose a device or a precision themselves, so the CPU, one GPU
+and several share one code path; frozen models go through `frozen`, trained ones through `trainable`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from rlhf_core.config import RuntimeConfig
+from rlhf_core.models import disable_dropout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MIXED = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RuntimeSettingError(ValueError):
+    """A runtime setting this machine cannot honour; the message names the key and the fix."""
+
+
+def device_of(cfg: RuntimeConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def check(cfg: RuntimeConfig) -> None:
+    """Reject what this machine cannot run, before any model loads (RuntimeSettingError naming the key)."""
+    device = device_of(cfg)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeSettingError("runtime.device is 'cuda' but no CUDA device is visible; use 'auto' or 'cpu'")
+    if cfg.mixed_precision == "fp16" and device != "cuda":
+        raise RuntimeSettingError("runtime.mixed_precision fp16 needs a CUDA device; on the CPU use bf16")
+    if cfg.mixed_precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RuntimeSettingError("runtime.mixed_precision bf16: this GPU has no bf16 (pre-Ampere); use fp16")
+    if cfg.attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise RuntimeSettingError("runtime.attn_implementation flash_attention_2 needs the flash-attn package "
+                                "(pip install flash-attn --no-build-isolation); 'sdpa' needs nothing")
+        if device != "cuda":
+            raise RuntimeSettingError("runtime.attn_implementation flash_attention_2 runs on CUDA only; use 'sdpa'")
+    if cfg.accelerate_config is not None and not Path(cfg.accelerate_config).is_file():
+        raise RuntimeSettingError(f"runtime.accelerate_config {cfg.accelerate_config}: no such file; the configs "
+                            "shipped are infra/accelerate/*.yaml")
+
+
+class Runtime:
+    """The Accelerator of this process and the placement of every model a stage uses."""
+
+    def __init__(self, cfg: RuntimeConfig, gradient_accumulation_steps: int = 1):
+        check(cfg)
+        self.cfg = cfg
+        # under a launcher, accelerate's env (ACCELERATE_MIXED_PRECISION, the DeepSpeed plugin) is the truth
+        mixed = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision
+        self.accelerator = Accelerator(mixed_precision=mixed, cpu=device_of(cfg) == "cpu",
+                                       gradient_accumulation_steps=gradient_accumulation_steps,
+                                       step_scheduler_with_optimizer=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        if self.cfg.frozen_dtype != "auto":
+            return DTYPES[self.cfg.frozen_dtype]
+        return MIXED[self.accelerator.mixed_precision]
+
+    @property
+    def load_kwargs(self) -> dict:
+        """Keyword arguments for `from_pretrained` of every model the stage loads."""
+        return {"attn_implementation": self.cfg.attn_implementation}
+
+    def autocast(self) -> AbstractContextManager:
+        """The training forward's precision, for forwards outside the prepared model (rollout, scoring)."""
+        return self.accelerator.autocast()
+
+    def frozen(self, model: nn.Module) -> nn.Module:
+        """A model that is only evaluated: no dropout, no grad, on this device in the frozen dtype."""
+        disable_dropout(model)
+        return model.to(device=self.device, dtype=self.frozen_dtype).eval().requires_grad_(False)
+
+    def trainable(self, model: nn.Module) -> nn.Module:
+        """A model to train: fp32 weights (autocast does the mixed precision), gradient checkpointing if set."""
+        if self.cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model

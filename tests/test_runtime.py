@@ -1,0 +1,71 @@
+"""The runtime between the trainer and the hardware: precision, devices, settings checked before models load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from test_trainer import tiny_config
+
+from conftest import target_fraction
+from rlhf_core.config import RuntimeConfig
+from rlhf_core.rl_trainer import RLTrainer
+from rlhf_core.runtime import Runtime, RuntimeSettingError, check
+from rlhf_core.scoring import FunctionScorer
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """accelerate keeps one state per process; a test that changes the precision starts and ends clean."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def sharp(model: torch.nn.Module, scale: float = 300.0) -> torch.nn.Module:
+    """Scale the LM head: near-one-hot next-token distributions, where a precision mismatch between the
+    rollout and the training forward shows (a random tiny model's near-uniform logits hide it)."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+    return model
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_bf16_rollout_and_training_forwards_agree_before_the_first_step(
+        algo, fresh_accelerate, tokenizer, prompts, make_policy, make_scorer_model):
+    """Learning rate 0, one epoch: every ratio is 1 (approxkl 0, nothing clipped) under bf16 autocast."""
+    runtime = Runtime(RuntimeConfig(device="cpu", mixed_precision="bf16"),
+                      gradient_accumulation_steps=tiny_config(algo).gradient_accumulation_steps)
+    assert runtime.accelerator.mixed_precision == "bf16" and runtime.frozen_dtype == torch.bfloat16
+    cfg = tiny_config(algo, total_episodes=32, num_epochs=1, learning_rate=0.0, kl_coef=0.05)
+    policy = sharp(make_policy(0))
+    reference = runtime.frozen(sharp(make_policy(0)))
+    value = make_scorer_model(1) if algo == "ppo" else None
+    trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
+                        stop_token_id=1, value_model=value, ref_policy=reference, accelerator=runtime.accelerator)
+    [logs] = trainer.train(max_updates=1)
+    assert logs["objective/entropy"] < 0.5 * 8, "the sharp policy is nearly deterministic (else the test is weak)"
+    assert logs["policy/clipfrac_avg"] == 0.0
+    assert logs["policy/approxkl_avg"] == 0.0 and logs["val/ratio"] == 1.0
+
+
+def test_settings_this_machine_cannot_run_fail_before_any_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="fp16 needs a CUDA device"):
+        RuntimeConfig(device="cpu", mixed_precision="fp16")
+    with pytest.raises(RuntimeSettingError, match="flash-attn"):
+        check(RuntimeConfig(attn_implementation="flash_attention_2"))
+    with pytest.raises(RuntimeSettingError, match="no such file"):
+        check(RuntimeConfig(accelerate_config=str(tmp_path / "missing.yaml")))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeSettingError, match="no CUDA device"):
+            check(RuntimeConfig(device="cuda"))
+
+
+def test_frozen_models_move_to_the_device_in_the_frozen_dtype(fresh_accelerate, make_policy):
+    runtime = Runtime(RuntimeConfig(device="cpu", mixed_precision="bf16", frozen_dtype="auto"))
+    frozen = runtime.frozen(make_policy(0))
+    assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
+    assert not any(p.requires_grad for p in frozen.parameters()) and not frozen.training
+    assert next(frozen.parameters()).device == runtime.device
