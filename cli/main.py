@@ -181,11 +181,12 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
     """
     from pathlib import Path
 
-    from rlhf_core.config import InspectionConfig
+    from rlhf_core.config import InspectionConfig, RuntimeConfig
+    from rlhf_core.runtime import Runtime
     from tasks.stages.inspect import inspect_model, summary_markdown, write_report
 
     try:
-        report = inspect_model(model, InspectionConfig(), pairs=pairs and Path(pairs),
+        report = inspect_model(model, InspectionConfig(), Runtime(RuntimeConfig()), pairs=pairs and Path(pairs),
                                prompts=prompts and Path(prompts))
     except (OSError, ValueError) as err:  # an unreadable model or file, a missing column
         typer.echo(f"error: {err}", err=True)

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Frozen(BaseModel):
@@ -288,6 +288,11 @@ class RuntimeConfig(_Frozen):
     accelerate_config: str | None = None
     """An accelerate config file (infra/accelerate/*.yaml: multi-GPU, DeepSpeed ZeRO-2/3); set, the stage
     relaunches itself under `accelerate launch --config_file`."""
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
 
     @model_validator(mode="after")
     def _check(self) -> RuntimeConfig:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 from torch import nn
 
 from rlhf_core.config import RuntimeConfig
@@ -53,6 +55,17 @@ def check(cfg: RuntimeConfig) -> None:
                             "shipped are infra/accelerate/*.yaml")
 
 
+def _release_other_state(mixed_precision: str | None, cpu: bool) -> None:
+    """accelerate keeps one state per process and refuses another precision. A stage builds one Runtime in
+    its own process; a notebook or an in-process test that runs several stages may ask for another one:
+    then the single-process state is dropped and rebuilt (never under a launcher, whose state is the run's)."""
+    state = AcceleratorState._shared_state
+    if not state or state.get("distributed_type") != DistributedType.NO:
+        return
+    if (mixed_precision is not None and state.get("_mixed_precision") != mixed_precision) or state.get("_cpu") != cpu:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 class Runtime:
     """The Accelerator of this process and the placement of every model a stage uses."""
 
@@ -61,6 +74,7 @@ class Runtime:
         self.cfg = cfg
         # under a launcher, accelerate's env (ACCELERATE_MIXED_PRECISION, the DeepSpeed plugin) is the truth
         mixed = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision
+        _release_other_state(mixed, cpu=device_of(cfg) == "cpu")
         self.accelerator = Accelerator(mixed_precision=mixed, cpu=device_of(cfg) == "cpu",
                                        gradient_accumulation_steps=gradient_accumulation_steps,
                                        step_scheduler_with_optimizer=False)

@@ -148,7 +148,8 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Se
                 lr = scheduler.get_last_lr()[0]
                 report(step, {**metrics.reduce(acc), "lr": lr, "epoch": step / steps_per_epoch})
                 metrics = MetricAccumulator()
-        eval_metrics = evaluate(acc.unwrap_model(model))
+        with acc.autocast():  # the training forward's precision
+            eval_metrics = evaluate(acc.unwrap_model(model))
         report(step, {**eval_metrics, "epoch": epoch + 1.0})
     return TrainResult(model=acc.unwrap_model(model), history=history, metrics=eval_metrics,
                        train_seconds=time.perf_counter() - start)

@@ -10,12 +10,12 @@ import copy
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rlhf_core.config import InspectionConfig, RewardConfig, RLConfig, SFTConfig
+from rlhf_core.config import InspectionConfig, RewardConfig, RLConfig, RuntimeConfig, SFTConfig
 from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
@@ -93,8 +93,12 @@ class InspectParams(InspectionConfig):
     """The reward-model inspection (stage `inspect`); fields documented in rlhf_core/config.py."""
 
 
+class RuntimeParams(RuntimeConfig):
+    """Device, precision and launcher of every stage that runs a model; fields documented in rlhf_core/config.py."""
+
+
 class TrainParams(RLConfig):
-    value_model_init: str = "reward"
+    value_model_init: Literal["reward", "sft"] = "reward"
     """Initialize PPO's value model from 'reward' (TRL's choice) or 'sft' (backbone + a fresh head)."""
     trace_every: int = Field(20, ge=0)
     """Write the reward-flow trace (reports/trace/) every N updates and at the last one; 0: never."""
@@ -130,6 +134,7 @@ warnings.filterwarnings("ignore", message='Field name "register" in "Params" sha
 
 class Params(_Section):
     base: BaseParams = BaseParams()
+    runtime: RuntimeParams = RuntimeParams()
     prepare: PrepareParams = PrepareParams()
     sft: SFTParams = SFTParams()
     reward_model: RewardModelParams = RewardModelParams()

@@ -70,7 +70,7 @@ def _section(params, stage: str) -> dict:
     """The stage's own params section (plus base), as a plain dict."""
     dumped = params.model_dump(mode="json")
     own = stage.replace("-", "_")
-    return {"base": dumped["base"], **({own: dumped[own]} if own in dumped else {})}
+    return {"base": dumped["base"], "runtime": dumped["runtime"], **({own: dumped[own]} if own in dumped else {})}
 
 
 def _open_stage_run(name: str, root: Path, params) -> MlflowStageRun:

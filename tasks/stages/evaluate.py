@@ -6,6 +6,7 @@ from __future__ import annotations
 from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
@@ -16,11 +17,14 @@ from tasks.common.progress import count_callback, progress_bar
 
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.evaluate
+    runtime = Runtime(params.runtime)
+    frozen = lambda load, path: runtime.frozen(load(path, **runtime.load_kwargs))  # noqa: E731
     tokenizer = load_tokenizer(paths.policy)
     prompts = [row["prompt"] for row in read_jsonl(paths.split("prompts_eval"))[:cfg.num_prompts]]
-    with progress_bar("evaluate", total=2 * len(prompts)) as update:  # policy, then reference completions
-        report = evaluate(load_policy(paths.policy), load_policy(paths.sft_model), tokenizer, prompts,
-                          scorer=RewardModelScorer(load_scorer_model(paths.reward_model), batch_size=cfg.batch_size),
+    policy, reference = frozen(load_policy, paths.policy), frozen(load_policy, paths.sft_model)
+    scorer = RewardModelScorer(frozen(load_scorer_model, paths.reward_model), batch_size=cfg.batch_size)
+    with progress_bar("evaluate", total=2 * len(prompts)) as update, runtime.autocast():
+        report = evaluate(policy, reference, tokenizer, prompts, scorer=scorer,
                           response_length=cfg.response_length, temperature=params.train.temperature,
                           gold=gold_fn(params), batch_size=cfg.batch_size,
                           on_batch=count_callback(update, "completions"))

@@ -13,6 +13,7 @@ from rlhf_core.config import InspectionConfig
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json
 from rlhf_core.models import load_scorer_model, load_tokenizer
 from rlhf_core.reward_inspection.report import inspect_reward_model
+from rlhf_core.runtime import Runtime
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 
@@ -23,10 +24,12 @@ class InspectionFailed(RuntimeError):
     """A check failed; the message says what is wrong and how to fix it (the CLI prints it, no traceback)."""
 
 
-def inspect_model(source: str | Path, cfg: InspectionConfig, pairs: Path | None = None,
+def inspect_model(source: str | Path, cfg: InspectionConfig, runtime: Runtime, pairs: Path | None = None,
                   prompts: Path | None = None) -> dict:
-    """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files."""
-    model, tokenizer = load_scorer_model(source), load_tokenizer(source)
+    """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files, on the
+    runtime's device in its frozen dtype (as RL and evaluation score with it)."""
+    model = runtime.frozen(load_scorer_model(source, **runtime.load_kwargs))
+    tokenizer = load_tokenizer(source)
     pair_rows = read_jsonl(pairs, text_columns=("prompt", "chosen", "rejected")) if pairs else []
     prompt_rows = read_jsonl(prompts, text_columns=("prompt",)) if prompts else []
     report = inspect_reward_model(model, tokenizer, pairs=pair_rows, prompts=prompt_rows, cfg=cfg)
@@ -59,8 +62,8 @@ def metrics(report: dict) -> dict:
 
 def run(params: Params, paths: Paths) -> dict:
     out = paths.root / REPORT_DIR
-    report = inspect_model(paths.reward_model, params.inspect, pairs=paths.split("prefs_eval"),
-                           prompts=paths.split("prompts_eval"))
+    report = inspect_model(paths.reward_model, params.inspect, Runtime(params.runtime),
+                           pairs=paths.split("prefs_eval"), prompts=paths.split("prompts_eval"))
     report["source"] = "models/reward"
     write_report(report, out)
     result = metrics(report)

@@ -11,6 +11,7 @@ from rlhf_core.models import (
     save_model,
 )
 from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
+from rlhf_core.runtime import Runtime
 from rlhf_core.world.generator import misstated_pairs
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
@@ -22,25 +23,30 @@ from tasks.common.tiny_models import tiny_reward_model
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.reward_model
     rm_cfg = params.reward_config()
+    runtime = Runtime(params.runtime, gradient_accumulation_steps=rm_cfg.gradient_accumulation_steps)
+    load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.tokenizer)
     train_rows, eval_rows = read_jsonl(paths.split("prefs_train")), read_jsonl(paths.split("prefs_eval"))
     gold = gold_fn(params)
-    if cfg.pretrained:
-        model, metrics = load_scorer_model(cfg.pretrained), {}
+    if cfg.pretrained:  # evaluated as is: on the device, kept in its own dtype (it is saved as the reward model)
+        model, metrics = load_scorer_model(cfg.pretrained, **load).to(runtime.device), {}
     else:
         if cfg.init_from_sft:
-            model = reward_model_from_policy(load_policy(paths.sft_model), seed=params.base.seed)
+            model = reward_model_from_policy(load_policy(paths.sft_model, **load), seed=params.base.seed)
         else:
             model = tiny_reward_model(params, tokenizer)
         with progress_bar("reward model", total=rm_cfg.epochs) as update:
-            result = train_reward_model(rm_cfg, model, tokenizer, train_rows, eval_rows,
+            result = train_reward_model(rm_cfg, runtime.trainable(model), tokenizer, train_rows, eval_rows,
+                                        accelerator=runtime.accelerator,
                                         progress=epoch_callback(update, rm_cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
-    metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
-    if gold is not None:  # the world's blind-spot probe: reference vs the same summary with one fact misstated
-        seen = {row["prompt"] for row in train_rows + eval_rows}
-        probe = misstated_pairs(params.base.seed, len(eval_rows), exclude=seen)
-        metrics["eval/misstated_accuracy"] = evaluate_reward_model(model, tokenizer, probe, cfg=rm_cfg)["eval/accuracy"]
+    with runtime.autocast():
+        metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
+        if gold is not None:  # the world's blind-spot probe: reference vs the same summary, one fact misstated
+            seen = {row["prompt"] for row in train_rows + eval_rows}
+            probe = misstated_pairs(params.base.seed, len(eval_rows), exclude=seen)
+            metrics["eval/misstated_accuracy"] = evaluate_reward_model(model, tokenizer, probe,
+                                                                       cfg=rm_cfg)["eval/accuracy"]
     save_model(model, tokenizer, paths.reward_model)
     write_json(paths.metrics_file("reward"), metrics)
     return metrics

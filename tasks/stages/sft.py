@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rlhf_core.jsonio import read_jsonl, write_json
 from rlhf_core.models import load_policy, load_tokenizer, save_model
+from rlhf_core.runtime import Runtime
 from rlhf_core.sft_trainer import evaluate_sft, train_sft
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
@@ -14,19 +15,22 @@ from tasks.common.tiny_models import tiny_policy
 
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.sft
+    runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     tokenizer = load_tokenizer(paths.tokenizer)
     eval_rows = read_jsonl(paths.split("sft_eval"))
     prompt_rows = read_jsonl(paths.split("prompts_eval"))
-    if cfg.pretrained:
-        model, metrics = load_policy(cfg.pretrained), {}
+    if cfg.pretrained:  # evaluated as is: on the device, kept in its own dtype (it is saved as the SFT policy)
+        model, metrics = load_policy(cfg.pretrained, **runtime.load_kwargs).to(runtime.device), {}
     else:
-        model = load_policy(cfg.base_model) if cfg.base_model else tiny_policy(params, tokenizer)
+        model = load_policy(cfg.base_model, **runtime.load_kwargs) if cfg.base_model else tiny_policy(params, tokenizer)
         with progress_bar("sft", total=cfg.epochs) as update:
-            result = train_sft(params.sft_config(), model, tokenizer, read_jsonl(paths.split("sft_train")),
-                               eval_rows, progress=epoch_callback(update, cfg.epochs))
+            result = train_sft(params.sft_config(), runtime.trainable(model), tokenizer,
+                               read_jsonl(paths.split("sft_train")), eval_rows, accelerator=runtime.accelerator,
+                               progress=epoch_callback(update, cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
-    metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
-                                eval_rows=eval_rows, gold=gold_fn(params), cfg=cfg))
+    with runtime.autocast():
+        metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
+                                    eval_rows=eval_rows, gold=gold_fn(params), cfg=cfg))
     save_model(model, tokenizer, paths.sft_model)
     write_json(paths.metrics_file("sft"), metrics)
     return metrics

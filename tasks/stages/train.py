@@ -22,6 +22,7 @@ from rlhf_core.models import (
     save_model,
 )
 from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
+from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker
@@ -88,19 +89,23 @@ def build_trainer(params: Params, paths: Paths, **hooks) -> tuple[RLTrainer, Pre
     (tracker, checkpoint_dir, on_update).
     """
     cfg = params.rl_config()
+    runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.sft_model)
-    policy = load_policy(paths.sft_model)
-    reward = load_scorer_model(paths.reward_model)
+    policy = runtime.trainable(load_policy(paths.sft_model, **load))
+    reward = runtime.frozen(load_scorer_model(paths.reward_model, **load))
     value = None
     if cfg.algo == "ppo":
-        value = load_scorer_model(paths.reward_model) if params.train.value_model_init == "reward" \
+        value = load_scorer_model(paths.reward_model, **load) if params.train.value_model_init == "reward" \
             else reward_model_from_policy(policy, seed=params.base.seed)
+        value = runtime.trainable(value)
     texts = [r["prompt"] for r in read_jsonl(paths.split("prompts_train"))]
     max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        ref_policy=load_policy(paths.sft_model), **hooks)
+                        ref_policy=runtime.frozen(load_policy(paths.sft_model, **load)),
+                        accelerator=runtime.accelerator, **hooks)
     return trainer, tokenizer
 
 
