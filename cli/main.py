@@ -54,19 +54,35 @@ Profile = Annotated[str | None, typer.Option(help="Profile overriding params.yam
 @app.command()
 def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | reward-model | inspect | train | evaluate | register")],
           profile: Profile = None, overrides: Overrides = None) -> None:
-    """Run one pipeline stage in this workspace (what dvc.yaml calls)."""
+    """Run one pipeline stage in this workspace (what dvc.yaml calls).
+
+    With runtime.num_processes > 1 or runtime.accelerate_config, sft, reward-model and train relaunch
+    themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
+    """
+    from rlhf_core.runtime import RuntimeSettingError
+    from tasks.common.launcher import is_main_process, launch_command, run_launched
     from tasks.common.mlflow_store import TrackingError
+    from tasks.common.params import ParamsError, load_params
     from tasks.common.runner import run_stage
     from tasks.stages.inspect import InspectionFailed
     from tasks.stages.register import RegisterError
     from tasks.stages.validate import ValidationFailed
 
+    args = [*(["--profile", profile] if profile else []), *(x for item in overrides or [] for x in ("--set", item))]
+    try:
+        command = launch_command(load_params(".", profile, overrides or []).runtime, name, args)
+    except (ParamsError, RuntimeSettingError, ValueError) as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    if command is not None:
+        raise typer.Exit(run_launched(command))
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
     except (ValidationFailed, InspectionFailed, TrackingError, RegisterError) as err:  # a message, not a traceback
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(json.dumps(metrics, indent=2, sort_keys=True))
+    if is_main_process():  # one result, whatever the number of ranks
+        typer.echo(json.dumps(metrics, indent=2, sort_keys=True))
 
 
 @app.command()

@@ -26,7 +26,7 @@ from rlhf_core import ops, ppo, rloo
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
-from rlhf_core.jsonio import read_json
+from rlhf_core.jsonio import atomic_path, read_json
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import disable_dropout
 from rlhf_core.rollout import (
@@ -312,14 +312,27 @@ class RLTrainer:
         self.state = TrainerState(**meta["trainer"])
         self.sampler.load_state_dict(self.state.sampler)
 
-    def save_pretrained(self, policy_dir: str | Path, value_dir: str | Path | None = None) -> None:
-        """Save the trained policy (and value model) as safetensors, for `from_pretrained`."""
-        self.accelerator.wait_for_everyone()
+    def save_pretrained(self, policy_dir: str | Path, tokenizer=None, value_dir: str | Path | None = None) -> None:
+        """Save the trained policy (with `tokenizer`; and the value model) as safetensors, atomically.
+
+        Every process must call it: the full state dict is gathered first (ZeRO-3 shards it across ranks), then
+        the main process writes.
+        """
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        state = acc.get_state_dict(self.model)  # {"policy.*", "value.*"}: PolicyAndValue's parameters
+        if not acc.is_main_process:
+            return
         model = self.unwrapped
-        if self.accelerator.is_main_process:
-            model.policy.save_pretrained(policy_dir, safe_serialization=True)
-            if value_dir is not None and model.value is not None:
-                model.value.save_pretrained(value_dir, safe_serialization=True)
+        for part, target, extra in (("policy", policy_dir, tokenizer), ("value", value_dir, None)):
+            module = getattr(model, part)
+            if target is None or module is None:
+                continue
+            own = {k.removeprefix(f"{part}."): v for k, v in state.items() if k.startswith(f"{part}.")}
+            with atomic_path(target, directory=True) as tmp:
+                module.save_pretrained(tmp, state_dict=own, safe_serialization=True)
+                if extra is not None:
+                    extra.save_pretrained(tmp)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

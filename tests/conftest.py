@@ -23,6 +23,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate():
+    """accelerate keeps one state per process (precision, device): each test starts without one, so a bf16
+    stage run in process never leaks its precision into the next test's trainer."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return word_tokenizer(TINY_VOCAB)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState, GradientState
 from test_trainer import tiny_config
 
 from conftest import target_fraction
@@ -12,16 +11,6 @@ from rlhf_core.config import RuntimeConfig
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.runtime import Runtime, RuntimeSettingError, check
 from rlhf_core.scoring import FunctionScorer
-
-
-@pytest.fixture
-def fresh_accelerate():
-    """accelerate keeps one state per process; a test that changes the precision starts and ends clean."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def sharp(model: torch.nn.Module, scale: float = 300.0) -> torch.nn.Module:
@@ -34,7 +23,7 @@ def sharp(model: torch.nn.Module, scale: float = 300.0) -> torch.nn.Module:
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
 def test_bf16_rollout_and_training_forwards_agree_before_the_first_step(
-        algo, fresh_accelerate, tokenizer, prompts, make_policy, make_scorer_model):
+        algo, tokenizer, prompts, make_policy, make_scorer_model):
     """Learning rate 0, one epoch: every ratio is 1 (approxkl 0, nothing clipped) under bf16 autocast."""
     runtime = Runtime(RuntimeConfig(device="cpu", mixed_precision="bf16"),
                       gradient_accumulation_steps=tiny_config(algo).gradient_accumulation_steps)
@@ -63,7 +52,7 @@ def test_settings_this_machine_cannot_run_fail_before_any_model_loads(tmp_path):
             check(RuntimeConfig(device="cuda"))
 
 
-def test_frozen_models_move_to_the_device_in_the_frozen_dtype(fresh_accelerate, make_policy):
+def test_frozen_models_move_to_the_device_in_the_frozen_dtype(make_policy):
     runtime = Runtime(RuntimeConfig(device="cpu", mixed_precision="bf16", frozen_dtype="auto"))
     frozen = runtime.frozen(make_policy(0))
     assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}

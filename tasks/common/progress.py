@@ -48,8 +48,13 @@ def _columns():
 
 
 @contextmanager
-def progress_bar(description: str, total: float, completed: float = 0) -> Iterator[Callable[..., None]]:
-    """A bar with elapsed time and ETA; yields `update(completed, info="")`."""
+def progress_bar(description: str, total: float, completed: float = 0,
+                 enabled: bool = True) -> Iterator[Callable[..., None]]:
+    """A bar with elapsed time and ETA; yields `update(completed, info="")` (a no-op when not `enabled`: the
+    other ranks of a launched stage draw none)."""
+    if not enabled:
+        yield lambda done, info="": None
+        return
     from rich.console import Console
     from rich.progress import Progress
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tasks.common.launcher import is_main_process
 from tasks.common.params import load_params
 from tasks.common.paths import Paths
 from tasks.common.stage_tracking import track_stage
@@ -30,4 +31,6 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
         metrics = module.run(params, Paths.at(root))
         return {**metrics, "stage_seconds": time.perf_counter() - start}
 
+    if not is_main_process():  # a launched stage's other ranks: rank 0 alone tracks (and writes)
+        return work()
     return track_stage(name, root, params, work)  # an MLflow run per stage, unless RLHF_TRACKING=off

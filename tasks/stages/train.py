@@ -19,13 +19,12 @@ from rlhf_core.models import (
     load_scorer_model,
     load_tokenizer,
     reward_model_from_policy,
-    save_model,
 )
 from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
-from rlhf_core.tracking import JsonlTracker
+from rlhf_core.tracking import JsonlTracker, NullTracker
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import ProgressTracker, progress_bar
@@ -46,16 +45,28 @@ def _fingerprint(paths: Paths, cfg_json: dict) -> str:
     return digest.hexdigest()
 
 
-def _resumable(paths: Paths, fingerprint: str) -> Path | None:
-    """The newest checkpoint made from exactly these inputs and config; otherwise start clean."""
+def _resumable(paths: Paths, fingerprint: str, main: bool) -> Path | None:
+    """The newest checkpoint made from exactly these inputs and config; otherwise the main process starts
+    clean (the other ranks ask after it did, and find the same answer)."""
     marker = paths.checkpoints / "inputs.sha256"
     checkpoints = list_checkpoints(paths.checkpoints)
     if checkpoints and marker.is_file() and marker.read_text() == fingerprint:
         return checkpoints[-1]
-    shutil.rmtree(paths.checkpoints, ignore_errors=True)
-    paths.checkpoints.mkdir(parents=True)
-    marker.write_text(fingerprint)
+    if main:
+        shutil.rmtree(paths.checkpoints, ignore_errors=True)
+        paths.checkpoints.mkdir(parents=True)
+        marker.write_text(fingerprint)
     return None
+
+
+def _prepare_outputs(paths: Paths, resumed: int) -> None:
+    """The history and traces of a fresh run start empty; a resumed run drops what it will redo."""
+    history_file = paths.train_history
+    if not resumed:
+        history_file.unlink(missing_ok=True)
+    elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
+        write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
+    _prune_traces(paths.reports / TRACE_DIR, resumed)
 
 
 def _trace_writer(params: Params, tokenizer, out: Path):
@@ -82,14 +93,15 @@ def _prune_traces(out: Path, resumed: int) -> None:
             path.unlink()
 
 
-def build_trainer(params: Params, paths: Paths, **hooks) -> tuple[RLTrainer, PreTrainedTokenizerBase]:
+def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
+                  **hooks) -> tuple[RLTrainer, PreTrainedTokenizerBase]:
     """The RL trainer of this stage, from the workspace's SFT policy, reward model and prompts, and its tokenizer.
 
     The one factory: the stage and bench/rl_curve.py train the same trainer. `hooks` go to RLTrainer
     (tracker, checkpoint_dir, on_update).
     """
     cfg = params.rl_config()
-    runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    runtime = runtime or Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.sft_model)
     policy = runtime.trainable(load_policy(paths.sft_model, **load))
@@ -110,30 +122,37 @@ def build_trainer(params: Params, paths: Paths, **hooks) -> tuple[RLTrainer, Pre
 
 
 def run(params: Params, paths: Paths) -> dict:
+    """Every rank trains; the main process alone prepares and writes the outputs (others return {})."""
     cfg = params.rl_config()
-    checkpoint = _resumable(paths, _fingerprint(paths, cfg.model_dump(mode="json")))
+    runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    acc, main = runtime.accelerator, runtime.accelerator.is_main_process
+    fingerprint = _fingerprint(paths, cfg.model_dump(mode="json"))
+    checkpoint = _resumable(paths, fingerprint, main) if main else None
+    acc.wait_for_everyone()
+    if not main:
+        checkpoint = _resumable(paths, fingerprint, main)
     resumed = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
     history_file = paths.train_history
-    if checkpoint is None:
-        history_file.unlink(missing_ok=True)
-    elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
-        write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
-    _prune_traces(paths.reports / TRACE_DIR, resumed)
-    tracker = stage_tracker(JsonlTracker(history_file))  # + this stage's MLflow run, when tracking is on
-    if checkpoint is not None and history_file.is_file():  # the MLflow run gets the whole run's history
-        for row in read_jsonl(history_file):
-            stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
-    trainer, tokenizer = build_trainer(params, paths, tracker=tracker, checkpoint_dir=paths.checkpoints)
-    trainer.on_update = _trace_writer(params, tokenizer, paths.reports / TRACE_DIR)
+    tracker = NullTracker()
+    if main:
+        _prepare_outputs(paths, resumed)
+        tracker = stage_tracker(JsonlTracker(history_file))  # + this stage's MLflow run, when tracking is on
+        if resumed and history_file.is_file():  # the MLflow run gets the whole run's history
+            for row in read_jsonl(history_file):
+                stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+    trainer, tokenizer = build_trainer(params, paths, runtime, tracker=tracker, checkpoint_dir=paths.checkpoints)
+    trainer.on_update = _trace_writer(params, tokenizer, paths.reports / TRACE_DIR)  # called on the main rank
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
     total = trainer.plan.num_updates
-    with progress_bar("train", total=total, completed=resumed) as update:
+    with progress_bar("train", total=total, completed=resumed, enabled=main) as update:
         trainer.tracker = ProgressTracker(trainer.tracker, update, total)  # the bar moves on every logged update
         trainer.train()
-    save_model(trainer.unwrapped.policy, tokenizer, paths.policy)
+    trainer.save_pretrained(paths.policy, tokenizer)  # every rank joins (sharded weights are gathered)
+    if not main:
+        return {}
     last = read_jsonl(history_file)[-1] if history_file.is_file() else {}  # the whole run's, resumed or not
     metrics = {k: v for k, v in last.items() if not k.startswith("time/")}
-    metrics["resumed_from_update"] = resumed
+    metrics.update(resumed_from_update=resumed, num_processes=acc.num_processes)
     write_json(paths.metrics_file("train"), metrics)
     return metrics

@@ -1,0 +1,88 @@
+"""Several processes for one stage: `rlhf stage NAME` re-executes itself under a launcher, so DVC and Prefect
+keep calling one command whatever the hardware.
+
+- `runtime.num_processes > 1` on the CPU: `torchrun --standalone` (a gloo world; `accelerate launch --cpu`
+  starts one process only).
+- on GPUs, or with `runtime.accelerate_config` (multi-GPU, DeepSpeed ZeRO-2/3, several machines):
+  `accelerate launch --config_file ... --num_processes N --num_machines M`.
+
+The launched ranks see RLHF_LAUNCHED=1 and never relaunch. Only rank 0 writes files, metrics and the MLflow
+run (`is_main_process`). The launcher runs in its own process group: when it fails, is interrupted or
+terminated, every rank goes with it, and its exit status is the stage's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from rlhf_core.config import RuntimeConfig
+
+LAUNCHED_ENV = "RLHF_LAUNCHED"
+STAGES_WITH_TRAINING = ("sft", "reward-model", "train")  # the stages a launcher can spread over processes
+GRACE_S = 30  # after SIGTERM, how long the ranks get to exit before SIGKILL
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launched stage, or the only process of a plain one (torchrun and accelerate set RANK)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) -> list[str] | None:
+    """The command that runs `rlhf stage <stage> <stage_args>` on runtime.num_processes processes, or None
+    when the stage runs in this process (one process, no accelerate config, a stage that does not train, or
+    already launched)."""
+    if not runtime.launched or stage not in STAGES_WITH_TRAINING or os.environ.get(LAUNCHED_ENV):
+        return None
+    from rlhf_core.runtime import check, device_of  # torch + accelerate: only when launching
+
+    check(runtime)  # a missing config file or an impossible precision fails here, before any rank starts
+    rlhf = str(Path(sys.executable).parent / "rlhf")
+    command = [rlhf, "stage", stage, *stage_args]
+    if runtime.accelerate_config is None and device_of(runtime) == "cpu":
+        if runtime.num_machines > 1:
+            raise ValueError("runtime.num_machines > 1 needs runtime.accelerate_config (machine rank, main "
+                             "process address); see infra/accelerate/README.md")
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(runtime.num_processes), "--no-python", *command]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(runtime.num_processes),
+              "--num_machines", str(runtime.num_machines)]
+    if runtime.accelerate_config is not None:
+        launch += ["--config_file", runtime.accelerate_config]
+    if runtime.mixed_precision != "no":
+        launch += ["--mixed_precision", runtime.mixed_precision]
+    return [*launch, "--no_python", *command]
+
+
+def run_launched(command: list[str]) -> int:
+    """Run the launcher in its own process group and return its exit status; on an interrupt or SIGTERM,
+    terminate the whole group (no orphan rank), then re-raise."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    proc = subprocess.Popen(command, env={**os.environ, LAUNCHED_ENV: "1"}, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        _stop_group(proc)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
