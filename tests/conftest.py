@@ -93,3 +93,14 @@ def mlflow_root(tmp_path, monkeypatch, mlflow_db_template):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     return tmp_path
+
+
+@pytest.fixture
+def workspace(mlflow_root, monkeypatch):
+    """A pipeline workspace (the repo's params.yaml) as the working directory, tracking into its own store."""
+    import shutil
+    from pathlib import Path
+
+    shutil.copy(Path(__file__).resolve().parent.parent / "params.yaml", mlflow_root / "params.yaml")
+    monkeypatch.chdir(mlflow_root)
+    return mlflow_root

@@ -25,13 +25,6 @@ TINY = [
 ]
 
 
-@pytest.fixture
-def workspace(mlflow_root, monkeypatch):  # tracking on, into the workspace's own MLflow store
-    shutil.copy(REPO / "params.yaml", mlflow_root / "params.yaml")
-    monkeypatch.chdir(mlflow_root)
-    return mlflow_root
-
-
 def invoke(*args: str) -> str:
     result = CliRunner().invoke(app, list(args))
     assert result.exit_code == 0, result.output + repr(result.exception)

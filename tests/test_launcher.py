@@ -1,0 +1,109 @@
+"""`rlhf stage` on several processes: the launch command, and the real train stage on a 2-process gloo world
+(torchrun) against the same stage on one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_pipeline import TINY, invoke
+
+from rlhf_core.config import RuntimeConfig
+from tasks.common.launcher import LAUNCHED_ENV, launch_command
+from tasks.common.mlflow_store import get_client
+
+RLHF = str(Path(sys.executable).parent / "rlhf")
+
+
+def test_cpu_processes_launch_with_torchrun(monkeypatch):
+    monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+    command = launch_command(RuntimeConfig(device="cpu", num_processes=2), "train", ["--set", "train.kl_coef=0.1"])
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[command.index("--nproc_per_node") + 1] == "2"
+    assert command[-5:] == [RLHF, "stage", "train", "--set", "train.kl_coef=0.1"]
+
+
+def test_an_accelerate_config_launches_with_accelerate(monkeypatch, tmp_path):
+    monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+    config = tmp_path / "zero2.yaml"
+    config.write_text("distributed_type: DEEPSPEED\n")
+    command = launch_command(RuntimeConfig(device="cpu", num_processes=2, accelerate_config=str(config),
+                                           mixed_precision="bf16"), "sft", [])
+    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert command[command.index("--config_file") + 1] == str(config)
+    assert command[command.index("--mixed_precision") + 1] == "bf16"
+    assert command[-4:] == ["--no_python", RLHF, "stage", "sft"]
+
+
+def test_what_runs_in_this_process(monkeypatch, tmp_path):
+    monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+    assert launch_command(RuntimeConfig(), "train", []) is None, "one process: no launcher"
+    assert launch_command(RuntimeConfig(num_processes=2), "evaluate", []) is None, "only training stages"
+    with pytest.raises(ValueError, match="no such file"):
+        launch_command(RuntimeConfig(accelerate_config=str(tmp_path / "nope.yaml")), "train", [])
+    monkeypatch.setenv(LAUNCHED_ENV, "1")
+    assert launch_command(RuntimeConfig(num_processes=2), "train", []) is None, "a launched rank never relaunches"
+
+
+# 64 episodes per update as 1 x (8 x 8) and as 2 x (8 x 4): the same global batch size and optimizer steps. Each
+# rank samples from its own random stream, so the two runs draw different completions; that the update of one
+# global rollout is the same on 1 and 2 processes is tests/test_distributed.py's.
+SAME_BATCH = ["train.per_device_train_batch_size=8", "train.local_rollout_forward_batch_size=32",
+              "train.total_episodes=128", "train.learning_rate=1e-3"]
+LAYOUTS = {1: ["train.gradient_accumulation_steps=8"],
+           2: ["train.gradient_accumulation_steps=4", "runtime.num_processes=2"]}
+
+
+def stage_train(root: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop(LAUNCHED_ENV, None)
+    args = [x for item in [*TINY, *SAME_BATCH, *overrides] for x in ("--set", item)]
+    return subprocess.run([RLHF, "stage", "train", *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_train_stage_on_two_processes(workspace):
+    """The real stage through the launcher: 2 ranks train, rank 0 alone writes one set of outputs and one MLflow
+    run, and the policy learns as the 1-process run does (same objective, different samples)."""
+    for name in ("prepare", "validate", "sft", "reward-model", "inspect"):
+        invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
+    alone = workspace.parent / f"{workspace.name}-one"
+    shutil.copytree(workspace, alone)
+    sft = load_file(workspace / "models" / "sft" / "model.safetensors")
+    for processes, root in ((2, workspace), (1, alone)):
+        proc = stage_train(root, LAYOUTS[processes])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.stdout.count('"num_processes"') == 1, "one result printed, by rank 0"
+        metrics = json.loads((root / "metrics" / "train.json").read_text())
+        assert metrics["num_processes"] == processes and metrics["episode"] == 128
+        history = [json.loads(line) for line in (root / "reports" / "train_history.jsonl").read_text().splitlines()]
+        assert [h["update"] for h in history] == [1, 2], "one line per update, written by one process"
+        policy = load_file(root / "models" / "policy" / "model.safetensors")
+        assert policy.keys() == sft.keys() and all(torch.isfinite(v).all() for v in policy.values())
+        assert any(not torch.equal(policy[k], sft[k]) for k in sft), "the policy was trained"
+        assert sorted(p.name for p in (root / "checkpoints" / "train").glob("update-*")) == \
+            ["update-000001", "update-000002"], "every rank joined the checkpoints (save_state)"
+    client = get_client(workspace)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, "tags.`rlhf.stage` = 'train'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", "one MLflow run, from rank 0"
+    assert [p.name for p in (workspace / "models").iterdir() if p.name.startswith(".")] == [], "nothing half-written"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_stage_with_its_error_and_leaves_no_process(workspace):
+    for name in ("prepare", "validate"):
+        invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
+    proc = stage_train(workspace, LAYOUTS[2])  # no SFT policy yet: every rank fails to load it
+    assert proc.returncode != 0
+    assert "could not load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not any(f"{RLHF} stage train" in line for line in ps.splitlines()), "every rank is gone"
