@@ -70,12 +70,13 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
 
     args = [*(["--profile", profile] if profile else []), *(x for item in overrides or [] for x in ("--set", item))]
     try:
-        command = launch_command(load_params(".", profile, overrides or []).runtime, name, args)
+        runtime = load_params(".", profile, overrides or []).runtime
+        command = launch_command(runtime, name, args)
     except (ParamsError, RuntimeSettingError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if command is not None:
-        raise typer.Exit(run_launched(command))
+        raise typer.Exit(run_launched(command, runtime))
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
     except (ValidationFailed, InspectionFailed, TrackingError, RegisterError) as err:  # a message, not a traceback

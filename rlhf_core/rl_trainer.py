@@ -12,7 +12,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -122,6 +123,9 @@ class RLTrainer:
         scheduler = get_scheduler(cfg.lr_scheduler, optimizer,
                                   num_warmup_steps=int(cfg.warmup_ratio * self.plan.num_optimizer_steps),
                                   num_training_steps=self.plan.num_optimizer_steps)
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        if deepspeed is not None:  # no dataloader is prepared: DeepSpeed learns the micro-batch from the config
+            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
 
     @staticmethod
@@ -175,9 +179,23 @@ class RLTrainer:
         step = self.cfg.local_rollout_forward_batch_size
         # the training forward's autocast (accelerate applies it to the prepared model only): rollout,
         # reference and value forwards in another precision make PPO's ratio wrong before any update
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), self._whole_weights():
             return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step])
                                 for i in range(0, len(queries), step)])
+
+    @contextmanager
+    def _whole_weights(self) -> Iterator[None]:
+        """Under DeepSpeed ZeRO-3 each rank holds a shard of the policy and value weights: gather them once per
+        rollout, not once per generated token, so generation runs on whole weights and never waits for another
+        rank that stopped earlier. A no-op otherwise."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        if plugin is None or plugin.zero_stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            yield
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor) -> Rollout:
         model, cfg = self.unwrapped, self.cfg

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch import nn
 
@@ -74,8 +75,15 @@ class Runtime:
         self.cfg = cfg
         # under a launcher, accelerate's env (ACCELERATE_MIXED_PRECISION, the DeepSpeed plugin) is the truth
         mixed = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision
-        _release_other_state(mixed, cpu=device_of(cfg) == "cpu")
-        self.accelerator = Accelerator(mixed_precision=mixed, cpu=device_of(cfg) == "cpu",
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"
+        # cpu=True would make accelerate ignore a DeepSpeed launch (DeepSpeed picks its CPU accelerator itself)
+        cpu = device_of(cfg) == "cpu" and not deepspeed
+        _release_other_state(mixed, cpu=cpu)
+        if deepspeed and device_of(cfg) == "cpu":
+            # Without a backend accelerate counts one process on a CPU DeepSpeed launch (it finds no GPU backend)
+            # while DeepSpeed's group has them all: name gloo, and both agree on the world.
+            PartialState(backend="gloo")
+        self.accelerator = Accelerator(mixed_precision=mixed, cpu=cpu,
                                        gradient_accumulation_steps=gradient_accumulation_steps,
                                        step_scheduler_with_optimizer=False)
 
@@ -97,6 +105,27 @@ class Runtime:
     def autocast(self) -> AbstractContextManager:
         """The training forward's precision, for forwards outside the prepared model (rollout, scoring)."""
         return self.accelerator.autocast()
+
+    def load_frozen(self, loader: Callable[..., nn.Module], source, **kwargs) -> nn.Module:
+        """`loader(source)` (load_policy, load_scorer_model) as a frozen model, whole on this rank: under
+        DeepSpeed ZeRO-3 transformers would partition it at load, and no engine would ever gather it."""
+        with self._unpartitioned_loading():
+            model = loader(source, **self.load_kwargs, **kwargs)
+        return self.frozen(model)
+
+    @contextmanager
+    def _unpartitioned_loading(self) -> Iterator[None]:
+        plugin = self.accelerator.state.deepspeed_plugin
+        if plugin is None or plugin.zero_stage != 3:
+            yield
+            return
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()  # accelerate registers the ZeRO-3 config with transformers at start
+        try:
+            yield
+        finally:
+            plugin.set_deepspeed_weakref()
 
     def frozen(self, model: nn.Module) -> nn.Module:
         """A model that is only evaluated: no dropout, no grad, on this device in the frozen dtype."""

@@ -38,7 +38,7 @@ def test_an_accelerate_config_launches_with_accelerate(monkeypatch, tmp_path):
                                            mixed_precision="bf16"), "sft", [])
     assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert command[command.index("--config_file") + 1] == str(config)
-    assert command[command.index("--mixed_precision") + 1] == "bf16"
+    assert command[command.index("--mixed_precision") + 1] == "bf16", "params decide the precision"
     assert command[-4:] == ["--no_python", RLHF, "stage", "sft"]
 
 

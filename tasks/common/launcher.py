@@ -52,16 +52,20 @@ def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) ->
               "--num_machines", str(runtime.num_machines)]
     if runtime.accelerate_config is not None:
         launch += ["--config_file", runtime.accelerate_config]
-    if runtime.mixed_precision != "no":
-        launch += ["--mixed_precision", runtime.mixed_precision]
+    launch += ["--mixed_precision", runtime.mixed_precision]  # params are the truth, over the config file
     return [*launch, "--no_python", *command]
 
 
-def run_launched(command: list[str]) -> int:
+def run_launched(command: list[str], runtime: RuntimeConfig) -> int:
     """Run the launcher in its own process group and return its exit status; on an interrupt or SIGTERM,
     terminate the whole group (no orphan rank), then re-raise."""
+    from rlhf_core.runtime import device_of
+
+    env = {**os.environ, LAUNCHED_ENV: "1"}
+    if device_of(runtime) == "cpu":
+        env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on the CPU (a test, a laptop) must not probe for CUDA
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    proc = subprocess.Popen(command, env={**os.environ, LAUNCHED_ENV: "1"}, start_new_session=True)
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return proc.wait()
     except BaseException:

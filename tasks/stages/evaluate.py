@@ -18,11 +18,10 @@ from tasks.common.progress import count_callback, progress_bar
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.evaluate
     runtime = Runtime(params.runtime)
-    frozen = lambda load, path: runtime.frozen(load(path, **runtime.load_kwargs))  # noqa: E731
     tokenizer = load_tokenizer(paths.policy)
     prompts = [row["prompt"] for row in read_jsonl(paths.split("prompts_eval"))[:cfg.num_prompts]]
-    policy, reference = frozen(load_policy, paths.policy), frozen(load_policy, paths.sft_model)
-    scorer = RewardModelScorer(frozen(load_scorer_model, paths.reward_model), batch_size=cfg.batch_size)
+    policy, reference = runtime.load_frozen(load_policy, paths.policy), runtime.load_frozen(load_policy, paths.sft_model)
+    scorer = RewardModelScorer(runtime.load_frozen(load_scorer_model, paths.reward_model), batch_size=cfg.batch_size)
     with progress_bar("evaluate", total=2 * len(prompts)) as update, runtime.autocast():
         report = evaluate(policy, reference, tokenizer, prompts, scorer=scorer,
                           response_length=cfg.response_length, temperature=params.train.temperature,

@@ -28,7 +28,7 @@ def inspect_model(source: str | Path, cfg: InspectionConfig, runtime: Runtime, p
                   prompts: Path | None = None) -> dict:
     """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files, on the
     runtime's device in its frozen dtype (as RL and evaluation score with it)."""
-    model = runtime.frozen(load_scorer_model(source, **runtime.load_kwargs))
+    model = runtime.load_frozen(load_scorer_model, source)
     tokenizer = load_tokenizer(source)
     pair_rows = read_jsonl(pairs, text_columns=("prompt", "chosen", "rejected")) if pairs else []
     prompt_rows = read_jsonl(prompts, text_columns=("prompt",)) if prompts else []

@@ -105,7 +105,7 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.sft_model)
     policy = runtime.trainable(load_policy(paths.sft_model, **load))
-    reward = runtime.frozen(load_scorer_model(paths.reward_model, **load))
+    reward = runtime.load_frozen(load_scorer_model, paths.reward_model)
     value = None
     if cfg.algo == "ppo":
         value = load_scorer_model(paths.reward_model, **load) if params.train.value_model_init == "reward" \
@@ -116,7 +116,7 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        ref_policy=runtime.frozen(load_policy(paths.sft_model, **load)),
+                        ref_policy=runtime.load_frozen(load_policy, paths.sft_model),
                         accelerator=runtime.accelerator, **hooks)
     return trainer, tokenizer
 
@@ -126,7 +126,8 @@ def run(params: Params, paths: Paths) -> dict:
     cfg = params.rl_config()
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     acc, main = runtime.accelerator, runtime.accelerator.is_main_process
-    fingerprint = _fingerprint(paths, cfg.model_dump(mode="json"))
+    # a checkpoint's format depends on the layout (processes, DeepSpeed): resume only on the same runtime
+    fingerprint = _fingerprint(paths, {**cfg.model_dump(mode="json"), "runtime": params.runtime.model_dump(mode="json")})
     checkpoint = _resumable(paths, fingerprint, main) if main else None
     acc.wait_for_everyone()
     if not main:
@@ -153,6 +154,7 @@ def run(params: Params, paths: Paths) -> dict:
         return {}
     last = read_jsonl(history_file)[-1] if history_file.is_file() else {}  # the whole run's, resumed or not
     metrics = {k: v for k, v in last.items() if not k.startswith("time/")}
-    metrics.update(resumed_from_update=resumed, num_processes=acc.num_processes)
+    metrics.update(resumed_from_update=resumed, num_processes=acc.num_processes,
+                   distributed_type=str(acc.distributed_type.value), mixed_precision=acc.mixed_precision)
     write_json(paths.metrics_file("train"), metrics)
     return metrics
