@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test bench lint dvc-deps clean
+.PHONY: setup run test test-gpu bench lint dvc-deps clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -m "not gpu and not server" $(PYTEST_ARGS)
+
+# On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
+test-gpu: setup
+	$(BIN)/python -m pytest -m gpu -s $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/rlhf bench --algo ppo --json
