@@ -70,7 +70,12 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
 
     args = [*(["--profile", profile] if profile else []), *(x for item in overrides or [] for x in ("--set", item))]
     try:
-        runtime = load_params(".", profile, overrides or []).runtime
+        params = load_params(".", profile, overrides or [])
+        runtime = params.runtime
+        if name == "train":  # a batch the processes cannot fill fails now, not after the models load
+            from rlhf_core.config import BatchPlan
+
+            BatchPlan.derive(params.rl_config(), runtime.num_processes)
         command = launch_command(runtime, name, args)
     except (ParamsError, RuntimeSettingError, ValueError) as err:
         typer.echo(f"error: {err}", err=True)

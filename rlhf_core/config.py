@@ -173,6 +173,10 @@ class BatchPlan:
         )
         exact_div(local_batch, min(cfg.local_rollout_forward_batch_size, local_batch),
                   "local rollout batch / local_rollout_forward_batch_size")
+        if cfg.total_episodes < batch:
+            raise ValueError(f"total_episodes {cfg.total_episodes} is less than one rollout batch of {batch} episodes "
+                             f"(per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches * "
+                             f"{num_processes} processes)")
         num_updates = math.ceil(cfg.total_episodes / batch)
         return cls(
             num_processes=num_processes,

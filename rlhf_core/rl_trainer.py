@@ -280,6 +280,8 @@ class RLTrainer:
         logs = metrics.reduce(self.accelerator)
         logs.update({"lr": self.scheduler.get_last_lr()[0], "episode": self.state.episode,
                      "eps": episodes / max(elapsed, 1e-9), "update": self.state.update})
+        if self.accelerator.device.type == "cuda":  # this process's peak since the run started
+            logs["gpu/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.accelerator.device) / 2**30
         if self.accelerator.is_main_process:
             self.tracker.log_metrics(logs, step=self.state.update)
         return logs

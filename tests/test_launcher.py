@@ -107,3 +107,13 @@ def test_a_failing_rank_fails_the_stage_with_its_error_and_leaves_no_process(wor
     assert "could not load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert not any(f"{RLHF} stage train" in line for line in ps.splitlines()), "every rank is gone"
+
+
+def test_a_batch_the_processes_cannot_fill_fails_before_any_model_loads(workspace):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["stage", "train", "--set", "runtime.num_processes=3",
+                                      "--set", "train.total_episodes=128"])
+    assert result.exit_code == 2 and "error:" in result.output and "batch" in result.output, result.output
