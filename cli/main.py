@@ -63,13 +63,14 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     from tasks.common.launcher import is_main_process, launch_command, run_launched
     from tasks.common.mlflow_store import TrackingError
     from tasks.common.params import ParamsError, load_params
-    from tasks.common.runner import run_stage
+    from tasks.common.runner import check_stage_name, run_stage
     from tasks.stages.inspect import InspectionFailed
     from tasks.stages.register import RegisterError
     from tasks.stages.validate import ValidationFailed
 
     args = [*(["--profile", profile] if profile else []), *(x for item in overrides or [] for x in ("--set", item))]
     try:
+        check_stage_name(name)
         params = load_params(".", profile, overrides or [])
         runtime = params.runtime
         if name == "train":  # a batch the processes cannot fill fails now, not after the models load

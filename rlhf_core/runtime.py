@@ -73,6 +73,8 @@ class Runtime:
     def __init__(self, cfg: RuntimeConfig, gradient_accumulation_steps: int = 1):
         check(cfg)
         self.cfg = cfg
+        if device_of(cfg) == "cpu":  # DeepSpeed (probed by transformers at load) would warn that it found no GPU
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # under a launcher, accelerate's env (ACCELERATE_MIXED_PRECISION, the DeepSpeed plugin) is the truth
         mixed = None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") == "true"

@@ -27,3 +27,9 @@ def test_bench_json(algo):
 def test_bench_rejects_unknown_algo():
     result = CliRunner().invoke(app, ["bench", "--algo", "dpo"])
     assert result.exit_code != 0 and "dpo" in result.output
+
+
+def test_an_unknown_stage_is_named_with_the_closest_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["stage", "trian"])
+    assert result.exit_code == 2 and "did you mean 'train'" in result.output, result.output

@@ -18,11 +18,19 @@ from tasks.common.stage_tracking import track_stage
 from tasks.stages import STAGES
 
 
-def run_stage(name: str, root: str | Path = ".", profile: str | None = None, overrides: Sequence[str] = ()) -> dict:
+class UnknownStage(ValueError):
+    """A stage name dvc.yaml does not have; the message lists the stages and the closest one."""
+
+
+def check_stage_name(name: str) -> None:
     if name not in STAGES:
         close = difflib.get_close_matches(name, STAGES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown stage {name!r}{hint}; stages: {', '.join(STAGES)}")
+        raise UnknownStage(f"unknown stage {name!r}{hint}; stages: {', '.join(STAGES)}")
+
+
+def run_stage(name: str, root: str | Path = ".", profile: str | None = None, overrides: Sequence[str] = ()) -> dict:
+    check_stage_name(name)
     params = load_params(root, profile, list(overrides))
     module = importlib.import_module(STAGES[name])
 
