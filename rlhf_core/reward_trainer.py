@@ -13,6 +13,7 @@ as summarize-from-feedback does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 
 from rlhf_core.batching import encode_example, pad
 from rlhf_core.config import RewardConfig
-from rlhf_core.scoring import GoldFn, last_token_scores
+from rlhf_core.scoring import GoldFn, LastTokenScores
 from rlhf_core.supervised import Batch, Progress, Row, TrainResult, fit
 
 
@@ -42,10 +43,11 @@ def pair_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: 
 
 
 def pair_scores(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
-    """Rewards of the chosen and the rejected completions, each (B,), scored at their last real token."""
+    """Rewards of the chosen and the rejected completions, each (B,), scored at their last real token.
+    `model`: a sequence classifier, or the LastTokenScores module a trainer prepared around one."""
+    scorer = model if not hasattr(model, "config") else LastTokenScores(model)
     mask = batch["attention_mask"]  # (2B, T), right-padded
-    scores = last_token_scores(model, batch["input_ids"], mask, mask.sum(1) - 1)  # (2B,)
-    chosen, rejected = scores.chunk(2)
+    chosen, rejected = scorer(batch["input_ids"], mask, mask.sum(1) - 1).chunk(2)  # (B,), (B,)
     return chosen, rejected
 
 
@@ -75,11 +77,12 @@ def train_reward_model(cfg: RewardConfig, model: nn.Module, tokenizer, train_row
     if num_labels != 1:
         raise ValueError(f"reward model must have num_labels=1, got {num_labels}")
     examples = encode_pairs(tokenizer, train_rows, cfg.max_length)
-    return fit(cfg, model, examples, [max(len(c), len(r)) for c, r in examples],
-               collate=lambda ex: pair_collate(ex, tokenizer.pad_token_id),
-               losses_fn=pair_losses, units_fn=pairs_in,
-               evaluate=lambda m: evaluate_reward_model(m, tokenizer, eval_rows, gold, cfg=cfg),
-               accelerator=accelerator, progress=progress)
+    result = fit(cfg, LastTokenScores(model), examples, [max(len(c), len(r)) for c, r in examples],
+                 collate=lambda ex: pair_collate(ex, tokenizer.pad_token_id),
+                 losses_fn=pair_losses, units_fn=pairs_in,
+                 evaluate=lambda m: evaluate_reward_model(m.model, tokenizer, eval_rows, gold, cfg=cfg),
+                 accelerator=accelerator, progress=progress)
+    return replace(result, model=result.model.model)  # the classifier inside the prepared module
 
 
 @torch.no_grad()

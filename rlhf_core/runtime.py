@@ -90,6 +90,22 @@ class Runtime:
                                        step_scheduler_with_optimizer=False)
 
     @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The DeepSpeed ZeRO stage of this launch (None without DeepSpeed)."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        return None if plugin is None else plugin.zero_stage
+
+    def refuse_zero3(self, what: str) -> None:
+        """For trainers that save the model rank 0 holds: whole under DDP and ZeRO-2, only a shard under ZeRO-3."""
+        if self.zero_stage == 3:
+            raise RuntimeSettingError(f"{what}: DeepSpeed ZeRO-3 is supported by the RL trainer only; train this "
+                                      "model with infra/accelerate/deepspeed_zero2.yaml or multi_gpu.yaml")
+
+    @property
     def device(self) -> torch.device:
         return self.accelerator.device
 

@@ -42,6 +42,18 @@ def last_token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
     return score_head(model)(last).squeeze(-1).float()  # (B,)
 
 
+class LastTokenScores(nn.Module):
+    """A sequence classifier read at given positions, as one module: what a trainer prepares (DDP, DeepSpeed)
+    so that the backbone and the score head run inside its forward, where gradients are synchronized."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
+        return last_token_scores(self.model, input_ids, attention_mask, last_index)  # (B,)
+
+
 class RewardModelScorer:
     """Scores with a sequence-classification reward model, in chunks of `batch_size` rows."""
 

@@ -117,3 +117,22 @@ def test_a_batch_the_processes_cannot_fill_fails_before_any_model_loads(workspac
     result = CliRunner().invoke(app, ["stage", "train", "--set", "runtime.num_processes=3",
                                       "--set", "train.total_episodes=128"])
     assert result.exit_code == 2 and "error:" in result.output and "batch" in result.output, result.output
+
+
+@pytest.mark.slow
+def test_sft_and_reward_model_stages_on_two_processes(workspace):
+    for name in ("prepare", "validate"):
+        invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop(LAUNCHED_ENV, None)
+    args = [x for item in [*TINY, "runtime.num_processes=2"] for x in ("--set", item)]
+    for stage, model, metrics_file in (("sft", "sft", "sft"), ("reward-model", "reward", "reward")):
+        proc = subprocess.run([RLHF, "stage", stage, *args], cwd=workspace, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert (workspace / "models" / model / "model.safetensors").is_file()
+        assert json.loads((workspace / "metrics" / f"{metrics_file}.json").read_text())["train_seconds"] > 0
+    client = get_client(workspace)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    for stage in ("sft", "reward-model"):
+        assert len(client.search_runs(experiments, f"tags.`rlhf.stage` = '{stage}'")) == 1, stage

@@ -24,6 +24,7 @@ def run(params: Params, paths: Paths) -> dict:
     cfg = params.reward_model
     rm_cfg = params.reward_config()
     runtime = Runtime(params.runtime, gradient_accumulation_steps=rm_cfg.gradient_accumulation_steps)
+    runtime.refuse_zero3("stage reward-model")
     load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.tokenizer)
     train_rows, eval_rows = read_jsonl(paths.split("prefs_train")), read_jsonl(paths.split("prefs_eval"))
@@ -35,11 +36,14 @@ def run(params: Params, paths: Paths) -> dict:
             model = reward_model_from_policy(load_policy(paths.sft_model, **load), seed=params.base.seed)
         else:
             model = tiny_reward_model(params, tokenizer)
-        with progress_bar("reward model", total=rm_cfg.epochs) as update:
+        with progress_bar("reward model", total=rm_cfg.epochs, enabled=runtime.is_main_process) as update:
             result = train_reward_model(rm_cfg, runtime.trainable(model), tokenizer, train_rows, eval_rows,
                                         accelerator=runtime.accelerator,
                                         progress=epoch_callback(update, rm_cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
+    runtime.accelerator.wait_for_everyone()
+    if not runtime.is_main_process:  # every rank trained; rank 0 evaluates and writes
+        return {}
     with runtime.autocast():
         metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
         if gold is not None:  # the world's blind-spot probe: reference vs the same summary, one fact misstated

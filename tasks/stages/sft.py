@@ -16,6 +16,7 @@ from tasks.common.tiny_models import tiny_policy
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.sft
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    runtime.refuse_zero3("stage sft")
     tokenizer = load_tokenizer(paths.tokenizer)
     eval_rows = read_jsonl(paths.split("sft_eval"))
     prompt_rows = read_jsonl(paths.split("prompts_eval"))
@@ -23,11 +24,14 @@ def run(params: Params, paths: Paths) -> dict:
         model, metrics = load_policy(cfg.pretrained, **runtime.load_kwargs).to(runtime.device), {}
     else:
         model = load_policy(cfg.base_model, **runtime.load_kwargs) if cfg.base_model else tiny_policy(params, tokenizer)
-        with progress_bar("sft", total=cfg.epochs) as update:
+        with progress_bar("sft", total=cfg.epochs, enabled=runtime.is_main_process) as update:
             result = train_sft(params.sft_config(), runtime.trainable(model), tokenizer,
                                read_jsonl(paths.split("sft_train")), eval_rows, accelerator=runtime.accelerator,
                                progress=epoch_callback(update, cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
+    runtime.accelerator.wait_for_everyone()
+    if not runtime.is_main_process:  # every rank trained; rank 0 evaluates and writes
+        return {}
     with runtime.autocast():
         metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
                                     eval_rows=eval_rows, gold=gold_fn(params), cfg=cfg))
