@@ -136,3 +136,23 @@ def test_sft_and_reward_model_stages_on_two_processes(workspace):
     experiments = [e.experiment_id for e in client.search_experiments()]
     for stage in ("sft", "reward-model"):
         assert len(client.search_runs(experiments, f"tags.`rlhf.stage` = '{stage}'")) == 1, stage
+
+
+@pytest.mark.slow
+def test_a_two_process_run_resumes_from_its_checkpoint(workspace):
+    """Interrupted after update 1 (its checkpoint kept, the rest gone), the 2-process stage resumes there."""
+    for name in ("prepare", "validate", "sft", "reward-model", "inspect"):
+        invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
+    proc = stage_train(workspace, LAYOUTS[2])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = json.loads((workspace / "metrics" / "train.json").read_text())
+    shutil.rmtree(workspace / "checkpoints" / "train" / "update-000002")
+    shutil.rmtree(workspace / "models" / "policy")
+    proc = stage_train(workspace, LAYOUTS[2])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((workspace / "metrics" / "train.json").read_text())
+    assert again["resumed_from_update"] == 1 and again["num_processes"] == 2 and again["update"] == 2
+    history = (workspace / "reports" / "train_history.jsonl").read_text().splitlines()
+    assert [json.loads(line)["update"] for line in history] == [1, 2], "update 2 redone, logged once"
+    assert again["objective/scores"] == pytest.approx(first["objective/scores"], abs=1e-6), \
+        "the resumed update 2 is the same update 2 (sampler, RNG and optimizer state restored on every rank)"
