@@ -4,6 +4,7 @@ lineage tags, and logging errors that never fail a stage."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,25 @@ def test_tracking_off_touches_no_store(tmp_path, monkeypatch):
     assert track_stage("prepare", tmp_path, load_params(tmp_path), lambda: {"a": 1}) == {"a": 1}
     assert start_pipeline_run(tmp_path, None, []) == "" and run_url("", tmp_path) is None
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_gpu_machine_logs_system_metrics_into_the_stage_run(mlflow_root, monkeypatch, tmp_path):
+    """Where nvidia-smi exists (here a stand-in: NVML then finds no GPU, and MLflow keeps its CPU, memory and
+    disk monitors), the stage run gets MLflow's system metrics; without it, none."""
+    import time
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    params, client = load_params(mlflow_root), get_client(mlflow_root)
+    keys = {}
+    for gpu in (False, True):
+        if gpu:
+            monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+        track_stage("evaluate", mlflow_root, params, lambda: time.sleep(2.0) or {"a": 1})
+        [run] = client.search_runs([experiment_id(client, mlflow_root)], order_by=["attributes.start_time DESC"],
+                                   max_results=1)
+        keys[gpu] = {k for k in run.data.metrics if k.startswith("system/")}
+    assert keys[False] == set() and "system/cpu_utilization_percentage" in keys[True], keys

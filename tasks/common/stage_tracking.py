@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import traceback
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
@@ -36,6 +37,7 @@ from tasks.common.mlflow_tracker import MlflowTracker, numeric
 log = logging.getLogger(__name__)
 
 MAX_TABLE_ROWS = 5000
+SYSTEM_METRICS_ENV = "RLHF_SYSTEM_METRICS"  # off: no GPU system metrics even on a GPU machine
 
 
 @dataclass
@@ -152,6 +154,7 @@ def track_stage(name: str, root: str | Path, params, work: Callable[[], dict]) -
         log.warning("MLflow tracking unavailable (%s); stage %s runs untracked", err, name)
         return work()
     token = _current.set(run)
+    monitor = _gpu_system_metrics(run)
     try:
         metrics = work()
     except BaseException as err:
@@ -160,6 +163,24 @@ def track_stage(name: str, root: str | Path, params, work: Callable[[], dict]) -
         raise
     finally:
         _current.reset(token)
+        if monitor is not None:
+            run.tracker.safely("stop system metrics", monitor.finish)
     _close_stage_run(run, root, name, metrics, "FINISHED")
     return metrics
+
+
+def _gpu_system_metrics(run: MlflowStageRun):
+    """On a GPU machine, MLflow's system metrics (GPU utilisation and memory, CPU, disk) every 10 s into the stage
+    run; on a laptop they would only add noise to every run. None when there is no GPU."""
+    if shutil.which("nvidia-smi") is None or os.environ.get(SYSTEM_METRICS_ENV, "on").lower() in {"off", "0", "false"}:
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run.run_id, sampling_interval=10, tracking_uri=run.uri)
+        monitor.start()
+    except Exception as err:  # a missing NVML, an old driver: the stage goes on without them
+        log.warning("MLflow system metrics unavailable (%s)", err)
+        return None
+    return monitor
 
