@@ -299,8 +299,9 @@ class RLTrainer:
         final = self.checkpoint_dir / f"update-{self.state.update:06d}"
         tmp = final.with_name(final.name + ".tmp")
         acc = self.accelerator
-        if acc.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)  # left by a crash
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
+            tmp.mkdir(parents=True)  # before any rank writes its shard into it (DeepSpeed saves on every rank)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)  # model, optimizer, scheduler, RNG states
         if acc.is_main_process:
