@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -54,28 +56,35 @@ def base_env(**extra: str) -> dict[str, str]:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", **extra}
 
 
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
+@contextmanager
+def prefect_server(home: Path, *options: str, **settings: str) -> Iterator[str]:
     """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the API URL."""
-    home = tmp_path_factory.mktemp("prefect-home")
     url = f"http://127.0.0.1:{free_port()}/api"
     port = url.rsplit(":", 1)[1].split("/")[0]
     log = (home / "server.log").open("w")
     server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", port,
-                               "--no-scheduler", "--no-ui"], env=base_env(PREFECT_HOME=str(home)),
+                               "--no-ui", *options], env=base_env(PREFECT_HOME=str(home), **settings),
                               stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
-        time.sleep(1)
-    yield url
-    server.terminate()
-    server.wait(timeout=60)
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    with prefect_server(tmp_path_factory.mktemp("prefect-home"), "--no-scheduler") as url:
+        yield url
 
 
 @pytest.fixture
@@ -263,3 +272,35 @@ def test_transient_failures_and_terminal_logs():
     assert is_transient("ERROR: Unable to acquire lock. Most likely another DVC process is running")
     assert not is_transient("train.kl_coeff: unknown key")
     assert clean_lines("a\r\x1b[2Kb 50%\r\x1b[2Kb 100%\n\nc\n") == ["b 100%", "c"]
+
+
+def test_the_server_scheduler_creates_runs_of_a_scheduled_deployment(tmp_path):
+    """The scheduler service itself (not a manual trigger) creates the scheduled runs of prefect.yaml's
+    deployments. With SQLAlchemy 2.1 the Prefect 3.8 scheduler failed on every loop ("Can't evaluate bulk
+    DML statement") and a nightly deployment never got a run."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.deployments import runner_deployments
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    [nightly] = [d for d in spec["deployments"] if d.get("schedules")]
+    nightly["schedules"][0]["cron"] = "* * * * *"  # every minute: the scheduler fills its next runs at once
+    (tmp_path / "prefect.yaml").write_text(yaml.safe_dump(spec))
+    home = tmp_path / "home"
+    home.mkdir()
+    fast = {"PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "1"}
+    with prefect_server(home, **fast) as url, temporary_settings(updates={PREFECT_API_URL: url}):
+        ids = [d.apply() for d in runner_deployments(tmp_path) if d.schedules]
+        deadline = time.monotonic() + 45
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=ids)))
+                if runs:
+                    break
+                time.sleep(1)
+        server_log = (home / "server.log").read_text()
+    assert runs, f"the scheduler created no run in 45 s; server log:\n{server_log[-3000:]}"
+    assert all(r.auto_scheduled and r.state.is_scheduled() for r in runs)
+    assert "Can't evaluate bulk DML" not in server_log
