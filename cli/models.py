@@ -73,31 +73,60 @@ def _fmt(value: str | None) -> str:
         return value
 
 
+def _overrides(version) -> str:
+    """The `--set` overrides of the run that registered the version ('-' for none or unknown)."""
+    import json
+
+    items = json.loads(version.tags.get("rlhf.overrides", "[]") or "[]")
+    return " ".join(items) or "-"
+
+
+def _gate(version) -> str:
+    """The gate's decision at registration, and a later manual promotion (the aliases say what holds now)."""
+    decision = version.tags.get("decision", "-")
+    by = version.tags.get("promoted_by")
+    return f"{decision}; promoted by {by}" if by and by != "register stage" else decision
+
+
+def _champion_before(version) -> str:
+    before = version.tags.get("champion_before")
+    if before in (None, "none"):
+        return "-" if before is None else "none"
+    return (f"v{before} ({_fmt(version.tags.get('champion_primary'))} at KL "
+            f"{_fmt(version.tags.get('champion_mean_kl'))})")
+
+
+# rows of `compare` after the metrics: the gate's settings and decision, as tags of the version
+GATE_ROWS = (("primary metric", "primary_metric"), ("KL budget (max_kl)", "max_kl"),
+             ("tie margin", "tie_margin"), ("min primary", "min_primary"))
+
+
 @app.command("list")
 def list_versions(name: Name = None) -> None:
-    """Versions, newest first: aliases, the gate's decision and figures, when and from which run."""
+    """Versions, newest first: aliases, the gate's decision and the figures behind it, the overrides, when."""
     from rich.console import Console
     from rich.table import Table
 
     client, name = _client(), _model_name(name)
     versions, aliases = _versions(client, name), _aliases(client, name)
     table = Table(title=f"{name} · {_uri()}")
-    for column in ("version", "aliases", "gate decision", "primary metric", "value", "mean_kl", "created", "run"):
+    for column in ("version", "aliases", "gate at registration", "primary metric", "value", "mean_kl", "max_kl",
+                   "vs champion", "overrides", "created"):
         table.add_column(column)
     for v in versions:
         metric = v.tags.get("primary_metric", "")
         created = datetime.fromtimestamp(v.creation_timestamp / 1000).strftime("%Y-%m-%d %H:%M")
         version = str(v.version)
-        table.add_row(version, ", ".join(sorted(aliases.get(version, []))) or "-", v.tags.get("decision", "-"),
-                      metric or "-", _fmt(v.tags.get(f"eval.{metric}")), _fmt(v.tags.get("eval.mean_kl")), created,
-                      (v.run_id or "-")[:12])
-    Console(width=160).print(table)
+        table.add_row(version, ", ".join(sorted(aliases.get(version, []))) or "-", _gate(v),
+                      metric or "-", _fmt(v.tags.get(f"eval.{metric}")), _fmt(v.tags.get("eval.mean_kl")),
+                      _fmt(v.tags.get("max_kl")), _champion_before(v), _overrides(v), created)
+    Console(width=200).print(table)
 
 
 @app.command()
 def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions to compare [default: all]")] = None,
             name: Name = None) -> None:
-    """Evaluation metrics of versions side by side, one column per version."""
+    """Evaluation metrics, the gate's figures and decision, and the overrides of versions side by side."""
     from rich.console import Console
     from rich.table import Table
 
@@ -113,15 +142,21 @@ def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions 
     found = sorted(found, key=lambda v: int(v.version))
     metrics = sorted({k.removeprefix("eval.") for v in found for k in v.tags if k.startswith("eval.")},
                      key=lambda k: (k not in HEADLINE, HEADLINE.index(k) if k in HEADLINE else 0, k))
-    table = Table(title=f"{name}: evaluation of each version (metrics/eval.json at registration)")
+    table = Table(title=f"{name}: evaluation of each version (metrics/eval.json at registration) and its gate")
     table.add_column("metric")
     for v in found:
         table.add_column(f"v{v.version} " + " ".join(f"@{a}" for a in sorted(aliases.get(str(v.version), []))),
                          justify="right")
     for metric in metrics:
         table.add_row(metric, *[_fmt(v.tags.get(f"eval.{metric}")) for v in found])
-    table.add_row("decision", *[v.tags.get("decision", "-") for v in found])
-    Console(width=160).print(table)
+    table.add_section()
+    for label, tag in GATE_ROWS:
+        table.add_row(label, *[_fmt(v.tags.get(tag)) for v in found])
+    table.add_row("champion before", *[_champion_before(v) for v in found])
+    table.add_row("decision", *[_gate(v) for v in found])
+    table.add_row("reason", *[v.tags.get("reason", "-") for v in found])
+    table.add_row("overrides", *[_overrides(v) for v in found])
+    Console(width=200).print(table)
 
 
 @app.command("promote")

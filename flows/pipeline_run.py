@@ -14,6 +14,7 @@ from tasks.common.lineage import lineage_tags
 from tasks.common.mlflow_store import LOCAL_UI_ENV, experiment_id, get_client, tracking_enabled, tracking_uri
 from tasks.common.mlflow_tracker import MlflowTracker
 from tasks.common.params import load_params
+from tasks.common.stage_tracking import OVERRIDES_TAG
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
     params = load_params(root, profile, list(overrides))
     client = get_client(root)
     tags = {**lineage_tags(root, params.base.profile), "rlhf.kind": "pipeline", "rlhf.root": str(root),
-            "rlhf.overrides": json.dumps(list(overrides))}
+            OVERRIDES_TAG: json.dumps(list(overrides))}
     run = client.create_run(experiment_id(client, root), run_name=f"pipeline-{params.base.profile}", tags=tags)
     MlflowTracker(client, run.info.run_id).log_params({**params.model_dump(mode="json"),
                                                        "overrides": json.dumps(list(overrides))})

@@ -4,6 +4,7 @@ manual promotion, and the champion loaded back with mlflow.transformers and gene
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import mlflow
 import pytest
@@ -15,16 +16,17 @@ from rlhf_core.models import load_policy
 from tasks.common.mlflow_store import get_client, tracking_uri
 from tasks.common.params import RegisterParams
 from tasks.common.runner import run_stage
-from tasks.stages.register import RegisterError, current_user, decide, read_eval
+from tasks.stages.register import Candidate, RegisterError, current_user, decide, gate_metric, read_eval
 
 NAME = "rlhf-policy"
 
 
-def register(root, win_rate: float, mean_kl: float) -> dict:
+def register(root, win_rate: float, mean_kl: float, gold: float | None = None, overrides: list[str] = ()) -> dict:
+    """metrics/eval.json with these figures (gold: the RM win rate unless given), then the register stage."""
     (root / "metrics").mkdir(exist_ok=True)
     (root / "metrics" / "eval.json").write_text(json.dumps({"win_rate_rm": win_rate, "mean_kl": mean_kl,
-                                                            "win_rate_gold": 0.4}))
-    run_stage("register", root)
+                                                            "win_rate_gold": win_rate if gold is None else gold}))
+    run_stage("register", root, overrides=list(overrides))
     return json.loads((root / "metrics" / "register.json").read_text())
 
 
@@ -36,42 +38,71 @@ def policy_root(mlflow_root, make_policy, tokenizer):
 
 
 def test_gate():
-    cfg = RegisterParams(max_kl=10.0, min_primary=0.5)
-    assert decide(0.6, 1.0, None, cfg).promote, "first version above the minimum"
-    assert not decide(0.5, 1.0, None, cfg).promote, "no better than the reference"
-    assert not decide(0.9, 10.5, None, cfg).promote, "over the KL budget"
-    assert decide(0.8, 1.0, 0.7, cfg, champion="1").promote
-    assert not decide(0.7, 1.0, 0.7, cfg, champion="1").promote, "a tie keeps the champion"
-    assert "no recorded win_rate_rm" in decide(0.9, 1.0, None, cfg, champion="1").reason
+    cfg = RegisterParams(max_kl=10.0, min_primary=0.5, tie_margin=0.01)
+    first, m = partial(decide, champion=None, cfg=cfg, metric="win_rate_rm"), "win_rate_rm"
+    assert first(Candidate(0.6, 1.0)).promote, "first version above the minimum"
+    assert not first(Candidate(0.5, 1.0)).promote, "no better than the reference"
+    assert not first(Candidate(0.9, 10.5)).promote, "over the KL budget"
+    champion = Candidate(0.7, 2.0)
+    assert decide(Candidate(0.8, 1.0), champion, cfg, m, "1").promote
+    assert not decide(Candidate(0.6, 1.0), champion, cfg, m, "1").promote
+    tie_lower_kl = decide(Candidate(0.695, 1.5), champion, cfg, m, "1")
+    assert tie_lower_kl.promote and "ties champion v1" in tie_lower_kl.reason and "lower mean_kl" in tie_lower_kl.reason
+    assert not decide(Candidate(0.705, 2.5), champion, cfg, m, "1").promote, "a tie at a higher KL keeps the champion"
+    assert not decide(Candidate(0.7, 2.0), champion, cfg, m, "1").promote, "an exact tie keeps the champion"
+    assert "no recorded win_rate_rm" in decide(Candidate(0.9, 1.0), None, cfg, m, "1").reason
+
+
+def test_auto_gate_prefers_gold_and_a_demo_scale_kl_budget():
+    defaults = RegisterParams()
+    assert (defaults.primary_metric, defaults.max_kl) == ("auto", 4.0)
+    assert gate_metric(defaults, {"win_rate_rm": 0.9, "win_rate_gold": 0.7}) == "win_rate_gold"
+    assert gate_metric(defaults, {"win_rate_rm": 0.9}) == "win_rate_rm", "real data has no gold reward"
+    # the sweep of the issue: the demo default (gold 0.766 at KL 3.16) against an over-optimized policy whose
+    # reward-model win rate is higher (gold 0.717 at KL 4.6)
+    champion, over_optimized = Candidate(0.766, 3.16), Candidate(0.717, 4.6)
+    assert not decide(over_optimized, champion, defaults, "win_rate_gold", "1").promote
+    assert not decide(Candidate(0.8, 4.6), champion, defaults, "win_rate_gold", "1").promote, "over the budget"
 
 
 def test_register_gates_promotes_and_the_champion_generates(policy_root, monkeypatch):
     root = policy_root
-    assert register(root, 0.7, 1.0)["promoted"]            # v1: no champion yet, above the minimum
-    assert not register(root, 0.6, 1.0)["promoted"]        # v2: worse than v1
-    third = register(root, 0.9, 50.0)                      # v3: better, but over the KL budget
+    assert register(root, 0.7, 1.0, gold=0.7)["promoted"]   # v1: no champion yet, gold above the minimum
+    second = register(root, 0.95, 3.9, gold=0.6)             # v2: the reward model loves it; gold does not
+    assert not second["promoted"] and second["primary_metric"] == "win_rate_gold", second
+    third = register(root, 0.9, 5.0, gold=0.9)               # v3: better, but over the KL budget
     assert not third["promoted"] and "KL budget" in third["reason"] and third["champion"] == 1
-    fourth = register(root, 0.8, 2.0)                      # v4: beats v1 within the budget
+    fourth = register(root, 0.8, 2.0, gold=0.8, overrides=["train.kl_coef=0.2"])  # v4: beats v1 within it
     assert fourth["promoted"] and fourth["champion_before"] == 1 and fourth["champion_primary"] == 0.7
+    assert fourth["overrides"] == ["train.kl_coef=0.2"]
 
     client = get_client(root)
     assert client.get_registered_model(NAME).aliases == {"champion": 4, "challenger": 4}
     v3 = client.get_model_version(NAME, "3")
-    assert v3.tags["eval.win_rate_rm"] == "0.9" and v3.tags["eval.mean_kl"] == "50.0"
+    assert v3.tags["eval.win_rate_rm"] == "0.9" and v3.tags["eval.mean_kl"] == "5.0"
     assert v3.tags["decision"] == "challenger" and v3.tags["champion_before"] == "1"
+    v4 = client.get_model_version(NAME, "4").tags
+    assert (v4["primary_metric"], v4["primary"], v4["max_kl"], v4["tie_margin"]) == ("win_rate_gold", "0.8", "4.0", "0.01")
+    assert (v4["champion_primary"], v4["champion_mean_kl"]) == ("0.7", "1.0")
+    assert json.loads(v4["rlhf.overrides"]) == ["train.kl_coef=0.2"]
 
     monkeypatch.chdir(root)
     runner = CliRunner()
     listed = runner.invoke(app, ["models", "list"])
     assert listed.exit_code == 0 and "challenger, champion" in listed.output, listed.output
-    compared = runner.invoke(app, ["models", "compare", "1", "4"])
+    assert "train.kl_coef=0.2" in listed.output and "v1 (0.7 at KL 1)" in listed.output, listed.output
+    compared = runner.invoke(app, ["models", "compare", "1", "2", "4"])
     assert compared.exit_code == 0 and "v4 @challenger @champion" in compared.output, compared.output
+    for row in ("KL budget (max_kl)", "tie margin", "reason", "overrides", "train.kl_coef=0.2",
+                "does not beat champion v1"):
+        assert row in compared.output, (row, compared.output)
     assert runner.invoke(app, ["models", "promote", "9"]).exit_code == 2
     promoted = runner.invoke(app, ["models", "promote", "2", "--reason", "gold win rate"])
     assert promoted.exit_code == 0 and "champion v4 -> v2" in promoted.output, promoted.output
     v2 = client.get_model_version(NAME, "2")
     assert v2.tags["promoted_by"] == current_user() and v2.tags["promotion_reason"] == "gold win rate"
     assert client.get_model_version(NAME, "4").tags["demoted_at"]
+    assert f"promoted by {current_user()}" in runner.invoke(app, ["models", "list"]).output
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri(root))
     pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")

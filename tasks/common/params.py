@@ -118,13 +118,17 @@ class EvaluateParams(_Section):
 class RegisterParams(_Section):
     model_name: str = "rlhf-policy"
     """Registered model name in the MLflow model registry."""
-    primary_metric: str = "win_rate_rm"
-    """Key of metrics/eval.json (higher is better) a new version must beat the champion on."""
+    primary_metric: str = "auto"
+    """Key of metrics/eval.json (higher is better) a new version must beat the champion on. 'auto':
+    win_rate_gold where the evaluation has a gold reward (the demo world), else win_rate_rm. The reward
+    model's own win rate rewards over-optimization: it rises while the gold one falls."""
     min_primary: float = 0.5
     """With no champion yet, the primary metric must exceed this: 0.5 means beating the SFT reference."""
-    max_kl: float = Field(10.0, ge=0.0)
+    max_kl: float = Field(4.0, ge=0.0)
     """KL budget: a version whose eval mean_kl (nats per completion, vs the SFT reference) exceeds it is
-    never promoted. The demo's defaults reach ~4-5."""
+    never promoted. The demo's defaults reach ~3.2; the over-optimized runs of a kl_coef sweep ~4.6."""
+    tie_margin: float = Field(0.01, ge=0.0)
+    """Primary values within this of the champion's are a tie, which the lower eval mean_kl wins."""
 
 
 # pydantic warns that the field `register` shadows ABCMeta.register of the model class; instances read the

@@ -41,4 +41,4 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
 
     if not is_main_process():  # a launched stage's other ranks: rank 0 alone tracks (and writes)
         return work()
-    return track_stage(name, root, params, work)  # an MLflow run per stage, unless RLHF_TRACKING=off
+    return track_stage(name, root, params, work, overrides)  # an MLflow run per stage, unless RLHF_TRACKING=off

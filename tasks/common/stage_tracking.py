@@ -8,11 +8,12 @@ by `RLHF_PARENT_RUN_ID` (the flow sets it for the DVC subprocesses), else it is 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from tasks.common.mlflow_tracker import MlflowTracker, numeric
 log = logging.getLogger(__name__)
 
 MAX_TABLE_ROWS = 5000
+OVERRIDES_TAG = "rlhf.overrides"  # JSON list of the `section.key=value` overrides of a pipeline or stage run
 SYSTEM_METRICS_ENV = "RLHF_SYSTEM_METRICS"  # off: no GPU system metrics even on a GPU machine
 
 
@@ -48,6 +50,8 @@ class MlflowStageRun:
     run_id: str
     experiment_id: str
     uri: str
+    overrides: list[str] = field(default_factory=list)
+    """The `section.key=value` overrides behind this run: the pipeline run's when nested, else the stage's."""
     tracker: MlflowTracker = field(init=False)
 
     def __post_init__(self):
@@ -75,21 +79,24 @@ def _section(params, stage: str) -> dict:
     return {"base": dumped["base"], "runtime": dumped["runtime"], **({own: dumped[own]} if own in dumped else {})}
 
 
-def _open_stage_run(name: str, root: Path, params) -> MlflowStageRun:
+def _open_stage_run(name: str, root: Path, params, overrides: list[str]) -> MlflowStageRun:
     client = get_client(root)
     parent_id = os.environ.get(PARENT_RUN_ENV, "").strip()
     tags = {**lineage_tags(root, params.base.profile), **data_hashes(root, name), "rlhf.stage": name}
     if parent_id:
         try:
-            exp = client.get_run(parent_id).info.experiment_id
+            parent = client.get_run(parent_id)
         except Exception as err:
             raise TrackingError(f"{PARENT_RUN_ENV}={parent_id}: no such MLflow run in {tracking_uri(root)} "
                                 f"({err}); unset it to log a standalone stage run") from err
+        exp = parent.info.experiment_id
         tags["mlflow.parentRunId"] = parent_id
+        overrides = [*json.loads(parent.data.tags.get(OVERRIDES_TAG, "[]")), *overrides]
     else:
         exp = experiment_id(client, root)
+    tags[OVERRIDES_TAG] = json.dumps(overrides)
     run = client.create_run(exp, run_name=name, tags=tags)
-    stage_run = MlflowStageRun(client, run.info.run_id, exp, tracking_uri(root))
+    stage_run = MlflowStageRun(client, run.info.run_id, exp, tracking_uri(root), overrides)
     stage_run.tracker.log_params(_section(params, name))
     return stage_run
 
@@ -136,14 +143,14 @@ def _close_stage_run(run: MlflowStageRun, root: Path, name: str, metrics: Mappin
     run.tracker.safely("end run", run.client.set_terminated, run.run_id, status)
 
 
-def track_stage(name: str, root: str | Path, params, work: Callable[[], dict]) -> dict:
+def track_stage(name: str, root: str | Path, params, work: Callable[[], dict], overrides: Sequence[str] = ()) -> dict:
     """Run `work()` (the stage) inside its MLflow run: params before, metrics and reports after; the run
     ends FAILED with the traceback as `error.txt` when the stage raises."""
     if not tracking_enabled():
         return work()
     root = Path(root).resolve()
     try:
-        run = _open_stage_run(name, root, params)
+        run = _open_stage_run(name, root, params, list(overrides))
     except Exception as err:
         if asked_for_tracking():  # a server or parent run the user named: fail now, before any work
             if isinstance(err, TrackingError):

@@ -1,14 +1,19 @@
 """Stage `register`: log the trained policy to MLflow, register it, and promote it if it earns it.
 
 The new version always gets the alias `challenger`. It also becomes `champion` when it passes the gate:
-its eval `mean_kl` is within `register.max_kl`, and its primary metric (`register.primary_metric` of
-metrics/eval.json, higher is better) beats the champion's, or, with no champion yet, `register.min_primary`.
-Both figures and the decision are recorded as version tags and in metrics/register.json.
+1. its eval `mean_kl` is within `register.max_kl` (a policy far from the SFT reference is over-optimized,
+   whatever its scores say);
+2. its primary metric (`register.primary_metric`; 'auto' is the gold win rate where the world has a gold
+   reward, else the reward model's) beats the champion's by more than `register.tie_margin`, or ties it
+   (within the margin) at a lower mean_kl; with no champion yet, it must exceed `register.min_primary`.
+The decision, every figure behind it and the run's overrides are tags of the version and in
+metrics/register.json.
 """
 
 from __future__ import annotations
 
 import getpass
+import json
 import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -18,7 +23,7 @@ from rlhf_core.jsonio import JsonFileError, read_json, write_json
 from tasks.common.mlflow_tracker import numeric
 from tasks.common.params import Params, RegisterParams
 from tasks.common.paths import Paths
-from tasks.common.stage_tracking import MlflowStageRun, current_stage_run
+from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 EVAL_TAG = "eval."  # version tags eval.<metric>: the figures of metrics/eval.json the version was gated on
@@ -28,28 +33,53 @@ class RegisterError(ValueError):
     """Missing or malformed input of the register stage; the message names the file and key."""
 
 
+GOLD_WIN_RATE, RM_WIN_RATE = "win_rate_gold", "win_rate_rm"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the gate compares of a version: its primary metric and its eval mean_kl."""
+
+    primary: float
+    mean_kl: float
+
+
 @dataclass(frozen=True)
 class Decision:
     promote: bool
     reason: str
 
 
-def decide(primary: float, mean_kl: float, champion_primary: float | None, cfg: RegisterParams,
-           champion: str | None = None) -> Decision:
-    """The promotion gate: a KL budget, then beat the champion (or the minimum when there is none)."""
-    metric = cfg.primary_metric
-    if mean_kl > cfg.max_kl:
-        return Decision(False, f"mean_kl {mean_kl:.4g} is over the KL budget register.max_kl={cfg.max_kl:g}")
+def gate_metric(cfg: RegisterParams, figures: dict[str, float]) -> str:
+    """The primary metric: as configured, or for 'auto' the gold win rate where there is one."""
+    if cfg.primary_metric != "auto":
+        return cfg.primary_metric
+    return GOLD_WIN_RATE if GOLD_WIN_RATE in figures else RM_WIN_RATE
+
+
+def decide(new: Candidate, champion: Candidate | None, cfg: RegisterParams, metric: str,
+           champion_version: str | None = None) -> Decision:
+    """The promotion gate: the KL budget, then beat the champion (or the minimum when there is none);
+    a tie within `tie_margin` goes to the lower KL."""
+    if new.mean_kl > cfg.max_kl:
+        return Decision(False, f"mean_kl {new.mean_kl:.4g} is over the KL budget register.max_kl={cfg.max_kl:g}")
+    if champion_version is None:
+        verdict = ">" if new.primary > cfg.min_primary else "<="
+        return Decision(verdict == ">", f"no champion yet; {metric} {new.primary:.4g} {verdict} "
+                                        f"register.min_primary={cfg.min_primary:g}")
     if champion is None:
-        if primary > cfg.min_primary:
-            return Decision(True, f"no champion yet; {metric} {primary:.4g} > register.min_primary={cfg.min_primary:g}")
-        return Decision(False, f"no champion yet, but {metric} {primary:.4g} <= register.min_primary={cfg.min_primary:g}")
-    if champion_primary is None:
-        return Decision(False, f"champion v{champion} has no recorded {metric} to compare with; "
-                               f"promote by hand with `rlhf models promote`")
-    if primary > champion_primary:
-        return Decision(True, f"{metric} {primary:.4g} beats champion v{champion} ({champion_primary:.4g})")
-    return Decision(False, f"{metric} {primary:.4g} does not beat champion v{champion} ({champion_primary:.4g})")
+        return Decision(False, f"champion v{champion_version} has no recorded {metric} and mean_kl to compare "
+                               f"with; promote by hand with `rlhf models promote`")
+    ours, theirs = f"{metric} {new.primary:.4g}", f"champion v{champion_version} ({champion.primary:.4g}"
+    gap = new.primary - champion.primary
+    if gap > cfg.tie_margin:
+        return Decision(True, f"{ours} beats {theirs})")
+    if gap < -cfg.tie_margin:
+        return Decision(False, f"{ours} does not beat {theirs})")
+    tie = f"{ours} ties {theirs}, within register.tie_margin={cfg.tie_margin:g})"
+    if new.mean_kl < champion.mean_kl:
+        return Decision(True, f"{tie} at a lower mean_kl ({new.mean_kl:.4g} < {champion.mean_kl:.4g})")
+    return Decision(False, f"{tie}; its mean_kl {new.mean_kl:.4g} is not below the champion's {champion.mean_kl:.4g}")
 
 
 def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
@@ -60,10 +90,9 @@ def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
     except JsonFileError as err:
         raise RegisterError(str(err)) from err
     figures = numeric(data) if isinstance(data, dict) else {}
-    for key in (cfg.primary_metric, "mean_kl"):
+    for key, why in ((gate_metric(cfg, figures), "register.primary_metric"), ("mean_kl", "the KL budget")):
         if key not in figures:
-            raise RegisterError(f"{path}: no numeric {key!r} (register.primary_metric / KL budget); "
-                                f"keys: {', '.join(sorted(figures))}")
+            raise RegisterError(f"{path}: no numeric {key!r} ({why}); keys: {', '.join(sorted(figures))}")
     return figures
 
 
@@ -77,9 +106,10 @@ def champion_of(client, name: str):
         return None
 
 
-def recorded(version, metric: str) -> float | None:
-    value = version.tags.get(EVAL_TAG + metric)
-    return None if value is None else float(value)
+def recorded(version, metric: str) -> Candidate | None:
+    """The version's figures as recorded at its registration, or None when it lacks them."""
+    primary, mean_kl = version.tags.get(EVAL_TAG + metric), version.tags.get(EVAL_TAG + "mean_kl")
+    return None if primary is None or mean_kl is None else Candidate(float(primary), float(mean_kl))
 
 
 def promote(client, name: str, version: str, by: str, reason: str) -> str | None:
@@ -149,25 +179,38 @@ def _card(params: Params, figures: dict[str, float]) -> str:
             f"{params.base.profile}). Evaluation against the SFT reference:\n\n" + "\n".join(lines) + "\n")
 
 
+def gate_tags(metric: str, new: Candidate, champion, recorded_champion: Candidate | None,
+              cfg: RegisterParams, decision: Decision) -> dict[str, str]:
+    """Version tags: the decision and every figure and setting behind it."""
+    tags = {"primary_metric": metric, "primary": new.primary, "mean_kl": new.mean_kl, "max_kl": cfg.max_kl,
+            "min_primary": cfg.min_primary, "tie_margin": cfg.tie_margin,
+            "champion_before": champion.version if champion else "none",
+            "decision": CHAMPION if decision.promote else CHALLENGER, "reason": decision.reason}
+    if recorded_champion is not None:
+        tags.update(champion_primary=recorded_champion.primary, champion_mean_kl=recorded_champion.mean_kl)
+    return {key: str(value) for key, value in tags.items()}
+
+
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.register
     figures = read_eval(paths.metrics_file("eval"), cfg)
-    primary, mean_kl = figures[cfg.primary_metric], figures["mean_kl"]
+    metric = gate_metric(cfg, figures)
+    new = Candidate(figures[metric], figures["mean_kl"])
     run = current_stage_run()
     if run is None:
         report = {"registered": False, "reason": "tracking is off (RLHF_TRACKING=off): nothing registered",
-                  "primary_metric": cfg.primary_metric, "primary": primary, "mean_kl": mean_kl}
+                  "primary_metric": metric, "primary": new.primary, "mean_kl": new.mean_kl}
         write_json(paths.metrics_file("register"), report)
         return {"registered": 0}
     client, name = run.client, cfg.model_name
     champion = champion_of(client, name)  # before this version is added
     version = log_policy(run, paths.policy, name, _card(params, figures))
-    champion_primary = None if champion is None else recorded(champion, cfg.primary_metric)
-    decision = decide(primary, mean_kl, champion_primary, cfg, None if champion is None else str(champion.version))
-    tags = {**{EVAL_TAG + k: str(v) for k, v in figures.items()}, "primary_metric": cfg.primary_metric,
-            "max_kl": str(cfg.max_kl), "champion_before": str(champion.version) if champion else "none",
-            "decision": CHAMPION if decision.promote else CHALLENGER, "reason": decision.reason,
-            "rlhf.profile": params.base.profile, "rlhf.stage_run_id": run.run_id}
+    champion_figures = None if champion is None else recorded(champion, metric)
+    decision = decide(new, champion_figures, cfg, metric, None if champion is None else str(champion.version))
+    tags = {**{EVAL_TAG + k: str(v) for k, v in figures.items()},
+            **gate_tags(metric, new, champion, champion_figures, cfg, decision),
+            "rlhf.profile": params.base.profile, "rlhf.stage_run_id": run.run_id,
+            OVERRIDES_TAG: json.dumps(run.overrides)}
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
     client.set_registered_model_alias(name, CHALLENGER, version)
@@ -175,9 +218,12 @@ def run(params: Params, paths: Paths) -> dict:
         promote(client, name, version, by="register stage", reason=decision.reason)
     before = int(champion.version) if champion else None
     report = {"registered": True, "model_name": name, "version": int(version), "promoted": decision.promote,
-              "reason": decision.reason, "primary_metric": cfg.primary_metric, "primary": primary,
-              "mean_kl": mean_kl, "max_kl": cfg.max_kl, "champion_before": before,
-              "champion_primary": champion_primary, "champion": int(version) if decision.promote else before}
+              "reason": decision.reason, "primary_metric": metric, "primary": new.primary,
+              "mean_kl": new.mean_kl, "max_kl": cfg.max_kl, "tie_margin": cfg.tie_margin,
+              "champion_before": before, "overrides": run.overrides,
+              "champion_primary": champion_figures and champion_figures.primary,
+              "champion_mean_kl": champion_figures and champion_figures.mean_kl,
+              "champion": int(version) if decision.promote else before}
     write_json(paths.metrics_file("register"), report)
-    return {"registered": 1, "version": int(version), "promoted": int(decision.promote), "primary": primary,
-            "mean_kl": mean_kl}
+    return {"registered": 1, "version": int(version), "promoted": int(decision.promote), "primary": new.primary,
+            "mean_kl": new.mean_kl}
