@@ -1,0 +1,200 @@
+"""Ours against TRL 1.9.0 on exactly the same work, side by side: PPO and RLOO episodes/s and peak memory.
+
+    python bench/vs_trl.py --device cpu                       # bench-tiny, fp32, on this machine
+    python bench/vs_trl.py --device cuda --shapes pythia-1b   # Pythia-1B shapes, bf16, on one GPU
+
+One workload is written once (model shapes and initial weights, tokenizer, prompts, spec.json) and both sides
+load it: same weights, prompts, response length, batch split (16 x 4), epochs, temperature, EOS handling,
+KL coefficient and precision. Each side runs in its own process under `accelerate launch` with the same
+flags; TRL runs in its own environment (created on first use under bench/.trl-venv with trl==1.9.0 and this
+environment's torch, transformers and accelerate versions, or `--trl-python` / `--trl-pythonpath` for a
+machine without internet). Pairs alternate which side goes first so machine drift cancels; the report is the
+median over pairs of steady-state episodes/s (the first update, kernel warm-up, is left out), peak memory
+(RSS on CPU, peak CUDA allocation on GPU) and our per-phase seconds. Prints JSON and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TRL_VERSION = "1.9.0"
+
+# GPT-NeoX shapes: bench-tiny is `rlhf bench`'s world; pythia-1b is EleutherAI/pythia-1b's architecture.
+SHAPES = {
+    "bench-tiny": dict(model=dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512,
+                                  max_positions=256), prompt_length=48, response_length=24),
+    "pythia-1b": dict(model=dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=8,
+                                 intermediate_size=8192, max_positions=2048), prompt_length=128, response_length=53),
+}
+
+
+def workload_spec(shapes: str, updates: int, gradient_checkpointing: bool) -> dict:
+    return {"shapes": shapes, **SHAPES[shapes], "prompts": 512, "seed": 0, "updates": updates, "warmup_updates": 1,
+            "episodes_per_update": 64, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 4,
+            "local_rollout_forward_batch_size": 64, "ppo_epochs": 4, "rloo_k": 2, "temperature": 0.7,
+            "kl_coef": 0.05, "learning_rate": 1e-5, "missing_eos_penalty": 1.0, "pad_token_id": 0,
+            "eos_token_id": 1, "gradient_checkpointing": gradient_checkpointing}
+
+
+def write_workload(spec: dict, target: Path) -> None:
+    """Initial weights (policy; reward model = value model init), tokenizer and prompts, saved once for both."""
+    import torch
+
+    from rlhf_core.bench import word_tokenizer
+    from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
+
+    config = tiny_gpt_neox_config(**spec["model"])
+    tokenizer = word_tokenizer(spec["model"]["vocab_size"])
+    for name, model in (("policy", init_causal_lm(config, seed=0)), ("scorer", init_sequence_scorer(config, seed=1))):
+        model.save_pretrained(target / name, safe_serialization=True)
+        tokenizer.save_pretrained(target / name)
+        del model
+    generator = torch.Generator().manual_seed(spec["seed"])
+    prompts = torch.randint(2, spec["model"]["vocab_size"], (spec["prompts"], spec["prompt_length"]),
+                            generator=generator)
+    (target / "prompts.json").write_text(json.dumps(prompts.tolist()))
+    (target / "spec.json").write_text(json.dumps(spec, indent=2))
+
+
+def trl_python(venv: Path) -> str:
+    """TRL's environment: a venv beside ours with trl==1.9.0 and our torch/transformers/accelerate versions."""
+    python = venv / "bin" / "python"
+    if not (venv / ".installed").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pins = [f"torch=={version('torch').split('+')[0]}", f"transformers=={version('transformers')}",
+                f"accelerate=={version('accelerate')}"]
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", pins[0]], check=True)  # CPU torch first
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", f"trl=={TRL_VERSION}", *pins,
+                        "requests"], check=True)
+        (venv / ".installed").touch()
+    return str(python)
+
+
+def launch(python: str, script: Path, workload: Path, algo: str, device: str, precision: str,
+           pythonpath: str | None) -> dict:
+    """One side, one algorithm, launched as its users launch it; returns its RESULT line."""
+    cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", precision, "--dynamo_backend", "no", *(["--cpu", "--num_cpu_threads_per_process", str(os.cpu_count())] if device == "cpu" else []),
+           str(script), str(workload), algo]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{script.name} {algo} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def steady_eps(result: dict, warmup: int) -> float:
+    ends = result["update_ends"][warmup - 1:]  # from the end of the warm-up to the end of the last update
+    return result["episodes_per_update"] * (len(ends) - 1) / (ends[-1] - ends[0])
+
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    """Median over pairs, per algorithm and side, and our/TRL ratios."""
+    out = {}
+    for algo in sorted({r["algo"] for r in runs}):
+        row = {}
+        for side in ("ours", "trl"):
+            mine = [r for r in runs if r["algo"] == algo and r["side"] == side]
+            memory_key = "peak_gpu_gib" if "peak_gpu_gib" in mine[0] else "peak_rss_mib"
+            row[side] = {"episodes_per_s": statistics.median(steady_eps(r, warmup) for r in mine),
+                         memory_key: statistics.median(r[memory_key] for r in mine),
+                         "runs": [round(steady_eps(r, warmup), 2) for r in mine]}
+            if side == "ours":
+                row[side]["phases_s"] = {k: statistics.median(r["phases_s"][k] for r in mine)
+                                         for k in mine[0]["phases_s"]}
+        memory_key = next(k for k in row["ours"] if k.startswith("peak"))
+        row["speed_ratio"] = row["ours"]["episodes_per_s"] / row["trl"]["episodes_per_s"]
+        row["memory_ratio"] = row["ours"][memory_key] / row["trl"][memory_key]
+        out[algo] = row
+    return out
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    except ImportError:
+        pass
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return f"{cpu}, {os.cpu_count()} cores"
+
+
+def markdown(summary: dict, args: argparse.Namespace, spec: dict) -> str:
+    lines = [f"### {datetime.date.today()} · {spec['shapes']} · {args.device} · {args.precision} · "
+             f"{args.pairs} pairs", "", f"Machine: {machine()}. Command: `python bench/{Path(__file__).name} "
+             + " ".join(sys.argv[1:]) + "`", "",
+             "| algo | ours ep/s | TRL ep/s | speed ×TRL | ours mem | TRL mem | mem ×TRL | our phases (s/update) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for algo, row in summary.items():
+        key = next(k for k in row["ours"] if k.startswith("peak"))
+        unit = "GiB" if key == "peak_gpu_gib" else "MiB"
+        phases = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in row["ours"]["phases_s"].items())
+        lines.append(f"| {algo} | {row['ours']['episodes_per_s']:.2f} | {row['trl']['episodes_per_s']:.2f} | "
+                     f"{row['speed_ratio']:.2f} | {row['ours'][key]:.1f} {unit} | {row['trl'][key]:.1f} {unit} | "
+                     f"{row['memory_ratio']:.2f} | {phases} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None,
+                        help="default: bench-tiny on cpu, pythia-1b on cuda")
+    parser.add_argument("--precision", choices=["no", "bf16", "fp16"], default=None,
+                        help="accelerate launch --mixed_precision for both sides (default: no on cpu, bf16 on cuda)")
+    parser.add_argument("--algos", nargs="+", choices=["ppo", "rloo"], default=["ppo", "rloo"])
+    parser.add_argument("--pairs", type=int, default=3, help="alternating ours/TRL pairs per algorithm")
+    parser.add_argument("--updates", type=int, default=6, help="updates per run; the first is warm-up")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--trl-python", default=None, help="python of an environment with trl==1.9.0")
+    parser.add_argument("--trl-pythonpath", default=None, help="PYTHONPATH for TRL's side (wheels unpacked)")
+    parser.add_argument("--ours-pythonpath", default=None, help="PYTHONPATH for our side (default: inherited)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
+    args = parser.parse_args()
+    shapes = args.shapes or ("pythia-1b" if args.device == "cuda" else "bench-tiny")
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "no")
+    spec = workload_spec(shapes, args.updates, args.gradient_checkpointing)
+    peer = args.trl_python or trl_python(HERE / ".trl-venv")
+    ours_path = os.pathsep.join(filter(None, [str(ROOT), args.ours_pythonpath or os.environ.get("PYTHONPATH")]))
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
+        workload = Path(tmp)
+        write_workload(spec, workload)
+        sides = {"ours": (sys.executable, HERE / "vs_trl_ours.py", ours_path),
+                 "trl": (peer, HERE / "vs_trl_peer.py", args.trl_pythonpath)}
+        for pair in range(args.pairs):
+            order = ["ours", "trl"] if pair % 2 == 0 else ["trl", "ours"]
+            for algo in args.algos:
+                for side in order:
+                    python, script, pythonpath = sides[side]
+                    result = launch(python, script, workload, algo, args.device, args.precision, pythonpath)
+                    runs.append(result)
+                    print(f"pair {pair} {algo} {side}: {steady_eps(result, spec['warmup_updates']):.2f} episodes/s",
+                          file=sys.stderr, flush=True)
+    summary = summarize(runs, spec["warmup_updates"])
+    if args.json:
+        args.json.write_text(json.dumps({"spec": spec, "runs": runs, "summary": summary}, indent=2))
+    print(json.dumps(summary, indent=2))
+    print(markdown(summary, args, spec))
+
+
+if __name__ == "__main__":
+    main()

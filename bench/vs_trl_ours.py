@@ -1,0 +1,79 @@
+"""Our side of `bench/vs_trl.py`: `RLTrainer` on the same prepared workload as TRL's side, launched the same way
+(`accelerate launch --mixed_precision ... bench/vs_trl_ours.py WORKLOAD ALGO`). Prints one `RESULT {json}` line
+with the end time of every update, peak memory and the median seconds of each phase.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import RLConfig, RuntimeConfig
+from rlhf_core.models import load_policy, load_scorer_model
+from rlhf_core.rl_trainer import RLTrainer
+from rlhf_core.runtime import Runtime
+from rlhf_core.scoring import RewardModelScorer
+
+PHASES = ("time/rollout_s", "time/score_s", "time/advantages_s", "time/update_s")
+
+
+def rl_config(spec: dict, algo: str) -> RLConfig:
+    return RLConfig(
+        algo=algo, seed=spec["seed"], learning_rate=spec["learning_rate"],
+        total_episodes=spec["episodes_per_update"] * spec["updates"],
+        per_device_train_batch_size=spec["per_device_train_batch_size"],
+        gradient_accumulation_steps=spec["gradient_accumulation_steps"], num_mini_batches=1,
+        num_epochs=spec["ppo_epochs"] if algo == "ppo" else 1,
+        local_rollout_forward_batch_size=spec["local_rollout_forward_batch_size"],
+        response_length=spec["response_length"], temperature=spec["temperature"], stop_token="eos",
+        missing_eos_penalty=spec["missing_eos_penalty"], kl_coef=spec["kl_coef"], rloo={"rloo_k": spec["rloo_k"]},
+    )
+
+
+def main(workload: Path, algo: str) -> None:
+    spec = json.loads((workload / "spec.json").read_text())
+    cfg = rl_config(spec, algo)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runtime = Runtime(RuntimeConfig(device=device, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
+                                    gradient_checkpointing=spec["gradient_checkpointing"]),
+                      gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+    policy = runtime.trainable(load_policy(workload / "policy"))
+    value = runtime.trainable(load_scorer_model(workload / "scorer")) if algo == "ppo" else None
+    reference = runtime.load_frozen(load_policy, workload / "policy")
+    reward = runtime.load_frozen(load_scorer_model, workload / "scorer")
+    prompts = json.loads((workload / "prompts.json").read_text())
+    ends: list[float] = []
+
+    def clock(*_):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+
+    trainer = RLTrainer(cfg, policy, RewardModelScorer(reward, batch_size=spec["local_rollout_forward_batch_size"]),
+                        prompts, pad_token_id=spec["pad_token_id"], stop_token_id=spec["eos_token_id"],
+                        value_model=value, ref_policy=reference, accelerator=runtime.accelerator, on_update=clock)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    history = trainer.train()
+    steady = history[spec["warmup_updates"]:]
+    result = {"side": "ours", "algo": algo, "update_ends": ends, "episodes_per_update": spec["episodes_per_update"],
+              "mixed_precision": runtime.accelerator.mixed_precision,
+              "distributed_type": runtime.accelerator.distributed_type.value,
+              "num_processes": runtime.accelerator.num_processes, "zero_stage": runtime.zero_stage,
+              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+              "phases_s": {k.removeprefix("time/"): statistics.median(h[k] for h in steady) for k in PHASES},
+              "clipfrac": max(h["policy/clipfrac_avg"] for h in history)}
+    if device == "cuda":
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
