@@ -123,7 +123,16 @@ def run(profile: Profile = None, overrides: Overrides = None,
     if not state.is_completed():
         typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
         raise typer.Exit(1)
-    print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None)
+    print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
+
+
+def _registry_line(root) -> str | None:
+    """The registered version of this run's policy, as the registry has it now (not as a file once said)."""
+    from rlhf_core.jsonio import read_json_object
+    from tasks.common.registry import registry_verdict
+
+    report = read_json_object(root / "metrics" / "register.json")
+    return None if report is None else registry_verdict(root, report)
 
 
 @app.command()

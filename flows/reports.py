@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.jsonio import read_json_object, read_jsonl
-from tasks.common.progress import registry_line
+from tasks.common.registry import registry_verdict
 
 # artifact key -> (stage whose output it shows, file under the workspace root)
 STAGE_REPORTS = {
@@ -54,7 +54,7 @@ def evaluation(root: Path) -> str | None:
     parts = ["# Evaluation\n", markdown_table(["metric", "value"], [[k, metrics[k]] for k in shown])]
     register = read_json_object(root / "metrics" / "register.json")
     if register is not None:
-        parts.append(f"\n**Registry:** {registry_line(register)}")
+        parts.append(f"\n**Registry:** {registry_verdict(root, register)}")
     completions = root / "reports" / "eval" / "completions.jsonl"
     if completions.is_file():
         rows = read_jsonl(completions)[:HEAD_ROWS]

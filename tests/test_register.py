@@ -4,21 +4,27 @@ manual promotion, and the champion loaded back with mlflow.transformers and gene
 from __future__ import annotations
 
 import json
+import shutil
 from functools import partial
+from pathlib import Path
 
 import mlflow
 import pytest
 import torch
+import yaml
+from test_dvc import sh
 from typer.testing import CliRunner
 
 from cli.main import app
 from rlhf_core.models import load_policy
 from tasks.common.mlflow_store import get_client, tracking_uri
 from tasks.common.params import RegisterParams
+from tasks.common.registry import registry_verdict
 from tasks.common.runner import run_stage
 from tasks.stages.register import Candidate, RegisterError, current_user, decide, gate_metric, read_eval
 
 NAME = "rlhf-policy"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def register(root, win_rate: float, mean_kl: float, gold: float | None = None, overrides: list[str] = ()) -> dict:
@@ -144,3 +150,44 @@ def test_lora_policy_is_logged_over_its_local_base(mlflow_root, make_policy, tok
     ids = torch.tensor([[3, 4, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(pipe.model(ids).logits, policy(ids).logits)
+
+
+@pytest.fixture
+def register_repo(policy_root):
+    """A git + DVC repo whose dvc.yaml is the repo's register stage alone; policy and eval written by hand."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    (policy_root / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"register": stages["register"]}}))
+    for item in ("params.yaml", ".gitignore"):
+        shutil.copy(REPO / item, policy_root / item)
+    for package in ("rlhf_core", "tasks"):
+        shutil.copytree(REPO / package, policy_root / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for command in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
+        sh(*command, cwd=policy_root)
+    return policy_root
+
+
+def test_register_reruns_for_a_policy_instead_of_replaying_dvcs_run_cache(register_repo, make_policy, tokenizer):
+    """A plain run after an overridden one brings back the first policy (train and evaluate from DVC's run
+    cache). register must not replay its old register.json ('v1, champion'): it runs, finds the policy
+    already registered as v1, registers no duplicate, and reports the registry as it is now (champion v2)."""
+    root = register_repo
+
+    def repro_with_policy(seed: int, gold: float) -> tuple[str, dict]:
+        shutil.rmtree(root / "models" / "policy", ignore_errors=True)
+        make_policy(seed).save_pretrained(root / "models" / "policy")
+        tokenizer.save_pretrained(root / "models" / "policy")
+        (root / "metrics").mkdir(exist_ok=True)
+        (root / "metrics" / "eval.json").write_text(json.dumps({"win_rate_rm": gold, "win_rate_gold": gold,
+                                                                "mean_kl": 1.0}))
+        out = sh("dvc", "repro", "register", cwd=root)
+        return out, json.loads((root / "metrics" / "register.json").read_text())
+
+    assert repro_with_policy(0, 0.7)[1]["version"] == 1
+    assert repro_with_policy(1, 0.8)[1]["champion"] == 2
+    out, report = repro_with_policy(0, 0.7)
+    assert "Running stage 'register'" in out and "run-cache" not in out, out
+    assert (report["version"], report["already_registered"], report["champion"]) == (1, True, 2), report
+    assert len(get_client(root).search_model_versions(f"name = '{NAME}'")) == 2, "no duplicate version"
+    line = registry_verdict(root, report)
+    assert "v1" in line and "champion is v2" in line, line
+    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=root)

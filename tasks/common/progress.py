@@ -121,14 +121,6 @@ SUMMARY_METRICS = (("win_rate_rm", "win rate vs SFT (reward model)"), ("win_rate
                    ("mean_kl", "KL to SFT"), ("eos_rate", "EOS rate"))
 
 
-def registry_line(register: Mapping[str, Any]) -> str:
-    """metrics/register.json in one line: which version, champion or not, and why."""
-    if not register.get("registered"):
-        return f"nothing registered ({register.get('reason', 'no reason given')})"
-    verdict = "promoted to champion" if register.get("promoted") else "challenger, not promoted"
-    return f"{register.get('model_name', 'rlhf-policy')} v{register.get('version')}: {verdict}; {register.get('reason', '')}"
-
-
 def prefect_ui_hint(flow_run_id: str | None) -> str:
     api = os.environ.get("PREFECT_API_URL", "")
     if api:
@@ -138,8 +130,8 @@ def prefect_ui_hint(flow_run_id: str | None) -> str:
     return f"PREFECT_HOME={home} prefect server start, then http://127.0.0.1:4200"
 
 
-def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | None) -> None:
-    """Stages, headline metrics, the registry's verdict, and where to look next."""
+def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | None, registry: str | None) -> None:
+    """Stages, headline metrics, the registry's verdict (a line read from the registry), and where to look next."""
     from rich.console import Console
     from rich.table import Table
 
@@ -160,9 +152,8 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
             if key in evaluation:
                 table.add_row(label, f"{evaluation[key]:.3f}")
         console.print(table)
-    register = read_json_object(root / "metrics" / "register.json") or {}
-    if register:
-        console.print(f"[bold]registry:[/bold] {registry_line(register)}")
+    if registry:
+        console.print(f"[bold]registry:[/bold] {registry}")
     if result.get("params_changed"):
         changed = ", ".join(f"{k}={new!r}" for k, _, new in result["params_changed"])
         console.print(f"[bold]params.yaml[/bold] now has {changed} (kept, as `dvc exp run` does; "

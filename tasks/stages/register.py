@@ -20,12 +20,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from rlhf_core.jsonio import JsonFileError, read_json, write_json
+from tasks.common.lineage import file_md5
 from tasks.common.mlflow_tracker import numeric
 from tasks.common.params import Params, RegisterParams
 from tasks.common.paths import Paths
+from tasks.common.registry import (
+    CHALLENGER,
+    CHAMPION,
+    EVAL_MD5_TAG,
+    POLICY_MD5_TAG,
+    champion_of,
+    version_of_policy,
+)
 from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
 
-CHAMPION, CHALLENGER = "champion", "challenger"
 EVAL_TAG = "eval."  # version tags eval.<metric>: the figures of metrics/eval.json the version was gated on
 
 
@@ -94,16 +102,6 @@ def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
         if key not in figures:
             raise RegisterError(f"{path}: no numeric {key!r} ({why}); keys: {', '.join(sorted(figures))}")
     return figures
-
-
-def champion_of(client, name: str):
-    """The version holding the champion alias, or None."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
 
 
 def recorded(version, metric: str) -> Candidate | None:
@@ -191,6 +189,15 @@ def gate_tags(metric: str, new: Candidate, champion, recorded_champion: Candidat
     return {key: str(value) for key, value in tags.items()}
 
 
+def _already_registered(client, name: str, version, figures: dict[str, float]) -> dict:
+    """metrics/register.json for a policy the registry already holds: its version, as the registry has it."""
+    champion = champion_of(client, name)
+    return {"registered": True, "already_registered": True, "model_name": name, "version": int(version.version),
+            "promoted": version.tags.get("decision") == CHAMPION, "reason": version.tags.get("reason", ""),
+            "primary_metric": version.tags.get("primary_metric"), "mean_kl": figures["mean_kl"],
+            "champion": int(champion.version) if champion else None}
+
+
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.register
     figures = read_eval(paths.metrics_file("eval"), cfg)
@@ -203,13 +210,19 @@ def run(params: Params, paths: Paths) -> dict:
         write_json(paths.metrics_file("register"), report)
         return {"registered": 0}
     client, name = run.client, cfg.model_name
+    lineage = {POLICY_MD5_TAG: file_md5(paths.policy), EVAL_MD5_TAG: file_md5(paths.metrics_file("eval"))}
+    existing = version_of_policy(client, name, *lineage.values())
+    if existing is not None:  # e.g. a plain run after an overridden one: train and evaluate came from DVC's run cache
+        report = _already_registered(client, name, existing, figures)
+        write_json(paths.metrics_file("register"), report)
+        return {"registered": 0, "version": report["version"]}
     champion = champion_of(client, name)  # before this version is added
     version = log_policy(run, paths.policy, name, _card(params, figures))
     champion_figures = None if champion is None else recorded(champion, metric)
     decision = decide(new, champion_figures, cfg, metric, None if champion is None else str(champion.version))
     tags = {**{EVAL_TAG + k: str(v) for k, v in figures.items()},
             **gate_tags(metric, new, champion, champion_figures, cfg, decision),
-            "rlhf.profile": params.base.profile, "rlhf.stage_run_id": run.run_id,
+            "rlhf.profile": params.base.profile, "rlhf.stage_run_id": run.run_id, **lineage,
             OVERRIDES_TAG: json.dumps(run.overrides)}
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
@@ -217,9 +230,9 @@ def run(params: Params, paths: Paths) -> dict:
     if decision.promote:
         promote(client, name, version, by="register stage", reason=decision.reason)
     before = int(champion.version) if champion else None
-    report = {"registered": True, "model_name": name, "version": int(version), "promoted": decision.promote,
-              "reason": decision.reason, "primary_metric": metric, "primary": new.primary,
-              "mean_kl": new.mean_kl, "max_kl": cfg.max_kl, "tie_margin": cfg.tie_margin,
+    report = {"registered": True, "already_registered": False, "model_name": name, "version": int(version),
+              "promoted": decision.promote, "reason": decision.reason, "primary_metric": metric,
+              "primary": new.primary, "mean_kl": new.mean_kl, "max_kl": cfg.max_kl, "tie_margin": cfg.tie_margin,
               "champion_before": before, "overrides": run.overrides,
               "champion_primary": champion_figures and champion_figures.primary,
               "champion_mean_kl": champion_figures and champion_figures.mean_kl,
