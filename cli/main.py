@@ -88,6 +88,9 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     except (ValidationFailed, InspectionFailed, TrackingError, RegisterError) as err:  # a message, not a traceback
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C, or the flow stopping it: its MLflow run is already marked KILLED
+        typer.echo(f"stage {name}: interrupted", err=True)
+        raise typer.Exit(130) from None
     if is_main_process():  # one result, whatever the number of ranks
         typer.echo(json.dumps(metrics, indent=2, sort_keys=True))
 
@@ -115,11 +118,19 @@ def run(profile: Profile = None, overrides: Overrides = None,
         raise typer.Exit(2) from None
     use_local_prefect(root)
     quiet_libraries()
+    from flows import interrupt
     from flows.pipeline import rlhf_pipeline
+    from flows.prefect_env import temporary_server_if_needed
     from tasks.common.mlflow_store import tracking_enabled, tracking_uri
     from tasks.common.progress import print_run_summary
 
-    state = rlhf_pipeline(profile=profile, overrides=overrides or [], wait_for_lock_s=wait, return_state=True)
+    with temporary_server_if_needed():
+        state = rlhf_pipeline(profile=profile, overrides=overrides or [], wait_for_lock_s=wait, return_state=True)
+    if state.is_cancelled():
+        signal_name = interrupt.received() or "SIGINT"
+        typer.echo(f"interrupted: {state.message}; the run is marked cancelled (reports/runs/, MLflow, Prefect). "
+                   "Rerun to resume: finished stages are skipped, train resumes from its last checkpoint.", err=True)
+        raise typer.Exit(interrupt.exit_status(signal_name))
     if not state.is_completed():
         typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
         raise typer.Exit(1)

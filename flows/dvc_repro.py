@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +30,9 @@ TRANSIENT_MARKERS = ("Unable to acquire lock", "exited with -9", "exited with 13
                      "Connection reset", "Read timed out", "Temporary failure in name resolution",
                      "503 Server Error", "429 Client Error")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+STOP_GRACE_S = 5.0  # a stopped stage's time to end its MLflow run and DVC's lock before the next signal
+RUNNING: set[subprocess.Popen] = set()  # the stage subprocesses of this process now running
+STOPPED: set[subprocess.Popen] = set()  # those stop_stages() stopped
 
 
 @dataclass(frozen=True)
@@ -58,18 +63,45 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
     os.close(fd)
     start = time.monotonic()
     try:
+        # its own session: a terminal's Ctrl-C reaches only the flow, which stops the stage (stop_stages)
         with log.open("wb") as out, subprocess.Popen(
                 [sys.executable, "-m", "flows.dvc_repro", name, result_file], cwd=root, env=dict(env),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
-            for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # read1: relay redraws as they come
-                out.write(chunk)
-                if echo is not None:
-                    echo.write(chunk)
-                    echo.flush()
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as proc:
+            RUNNING.add(proc)
+            try:
+                for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # read1: relay redraws as they come
+                    out.write(chunk)
+                    if echo is not None and proc not in STOPPED:  # once stopped, its dying words go to the log only
+                        echo.write(chunk)
+                        echo.flush()
+            finally:
+                RUNNING.discard(proc)
+                STOPPED.discard(proc)
         ran = bool((read_json_object(result_file) or {}).get("ran", False))
     finally:
         Path(result_file).unlink(missing_ok=True)
     return ReproResult(name, proc.returncode, ran, time.monotonic() - start, log)
+
+
+def stop_stages(grace_s: float = STOP_GRACE_S) -> None:
+    """Stop every running stage subprocess with its children: SIGINT first (the stage marks its MLflow run
+    KILLED and DVC cleans up), then SIGTERM and SIGKILL to the process group after `grace_s` each."""
+    for proc in list(RUNNING):
+        STOPPED.add(proc)
+        threading.Thread(target=_stop_group, args=(proc, grace_s), daemon=True).start()
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def clean_lines(raw: str) -> list[str]:

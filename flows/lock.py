@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +23,7 @@ from filelock import FileLock, Timeout
 from rlhf_core.jsonio import read_json_object
 
 LOCK_FILE = ".dvc/tmp/rlhf-pipeline.lock"  # .dvc/tmp is git-ignored by DVC and local to the workspace
+POLL_S = 1.0  # how often a waiting run checks for a signal
 
 
 class WorkspaceBusy(RuntimeError):
@@ -45,18 +47,47 @@ def describe_holder(root: str | Path) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}{run}"
 
 
+class LockWaitStopped(RuntimeError):
+    """A signal stopped the run while it waited for the lock."""
+
+
+def _acquire(lock: FileLock, root: str | Path, wait_s: float, on_wait: Callable[[str], object] | None,
+             stop: Callable[[], object] | None) -> None:
+    """Take `lock`, waiting at most `wait_s`: says at once whom it waits for, gives up when `stop()` is set."""
+    deadline = time.monotonic() + wait_s
+    try:
+        lock.acquire(timeout=0)
+        return
+    except Timeout:
+        pass
+    if on_wait is not None and wait_s > 0:
+        on_wait(f"waiting up to {wait_s:g} s for the workspace lock, held by {describe_holder(root)}")
+    while True:
+        if stop is not None and stop():
+            raise LockWaitStopped(f"stopped by {stop()} while waiting for the workspace lock")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise WorkspaceBusy(f"workspace {Path(root).resolve()} is busy: another pipeline run holds "
+                                f"{lock_path(root)} ({describe_holder(root)}); waited {wait_s:g} s. Wait for it "
+                                "to finish, or run in a separate clone.")
+        try:
+            lock.acquire(timeout=min(POLL_S, remaining))
+            return
+        except Timeout:
+            continue
+
+
 @contextmanager
-def workspace_lock(root: str | Path, wait_s: float, run: str = "") -> Iterator[Path]:
-    """Hold the workspace lock; wait at most `wait_s` seconds for it, else raise WorkspaceBusy."""
+def workspace_lock(root: str | Path, wait_s: float, run: str = "", on_wait: Callable[[str], object] | None = None,
+                   stop: Callable[[], object] | None = None) -> Iterator[Path]:
+    """Hold the workspace lock; wait at most `wait_s` seconds for it, else raise WorkspaceBusy.
+
+    `on_wait(message)` is called once when the lock is held by another run; a true `stop()` (a signal
+    received) ends the wait with LockWaitStopped."""
     path = lock_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(path, thread_local=False)  # released by the thread that took it, whatever it is
-    try:
-        lock.acquire(timeout=wait_s)
-    except Timeout:
-        raise WorkspaceBusy(f"workspace {Path(root).resolve()} is busy: another pipeline run holds {path} "
-                            f"({describe_holder(root)}); waited {wait_s:g} s. Wait for it to finish, or "
-                            "run in a separate clone.") from None
+    _acquire(lock, root, wait_s, on_wait, stop)
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "run": run,
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     _holder_file(path).write_text(json.dumps(holder))

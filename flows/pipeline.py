@@ -13,7 +13,8 @@ wait for another run that holds the workspace. One run:
 5. publishes what the stages left: validation summary, reward-model inspection, evaluation table, and a
    link to the MLflow run.
 
-A failed stage fails the run with a message naming the stage and the tail of its log. Only failures a
+A failed stage fails the run with a message naming the stage and the tail of its log. SIGINT or SIGTERM stops
+the running stage and ends the run Cancelled through the same path (flows/interrupt.py). Only failures a
 retry can fix (DVC's lock held by a manual `dvc repro`, the OOM killer, network) are retried.
 """
 
@@ -26,11 +27,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from prefect.states import Failed, State
+from prefect.states import Cancelled, Failed, State
 
-from flows import reports
+from flows import interrupt, reports
 from flows.dvc_repro import is_transient, log_tail, repro_stage, stage_env
-from flows.lock import WorkspaceBusy, workspace_lock
+from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import apply_overrides, write_run_record
 from flows.pipeline_run import end_pipeline_run, run_url, start_pipeline_run
 from tasks.common.dvc_yaml import stage_names
@@ -55,6 +56,8 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
     terminal = sys.stdout.isatty()
     env = stage_env({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}, terminal)
     result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None))
+    if interrupt.received():
+        return Cancelled(message=f"stage {name!r} stopped by {interrupt.received()} after {result.seconds:.0f} s")
     if result.returncode != 0:
         # A returned Failed state (not an exception): the message is the story, no engine traceback.
         return Failed(message=f"stage {name!r} failed (exit status {result.returncode}) after "
@@ -85,9 +88,11 @@ def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[
     """Each stage in order until one fails: (results, the failed state or None, stages reached)."""
     results, reached = [], set()
     for name in names:
+        if interrupt.received():
+            return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}"), reached
         reached.add(name)
         state = run_dvc_stage(name, str(root), parent_run_id, return_state=True)
-        if state.is_failed():
+        if not state.is_completed():  # failed, or cancelled by a signal
             return results, state, reached
         results.append(state.result())
     return results, None, reached
@@ -110,13 +115,13 @@ def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
     try:
         results, failed, reached = _run_stages(root, names, parent)
         _publish_reports(root, reached, parent)
-        status = "FAILED" if failed is not None else "FINISHED"
+        status = "FINISHED" if failed is None else "KILLED" if failed.is_cancelled() else "FAILED"
     finally:
         end_pipeline_run(parent, status, root)
         record.update(status=status, stages=results, failure=failed.message if failed is not None else None)
         write_run_record(root, record)
     if failed is not None:
-        return Failed(message=failed.message)
+        return Cancelled(message=failed.message) if failed.is_cancelled() else Failed(message=failed.message)
     return {**record, "record": str(record_path)}
 
 
@@ -132,10 +137,14 @@ def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B00
     """
     root = Path.cwd()
     run = f"flow run {flow_run.get_name() or ''} ({flow_run.get_id() or 'local'})"
+    logger = get_run_logger()
     try:
-        with workspace_lock(root, wait_for_lock_s, run=run):
+        with interrupt.stop_on_signals(), workspace_lock(root, wait_for_lock_s, run=run, on_wait=logger.info,
+                                                         stop=interrupt.received):
             return _run_locked(root, profile, list(overrides))
+    except LockWaitStopped as err:
+        return Cancelled(message=str(err))
     except (WorkspaceBusy, ParamsError, FileNotFoundError, TrackingError) as err:
-        get_run_logger().error("%s", err)
+        logger.error("%s", err)
         return Failed(message=str(err))
 

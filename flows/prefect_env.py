@@ -1,9 +1,20 @@
-"""Prefect settings for running here, set before prefect is imported (it reads them at import)."""
+"""Prefect settings for running here, set before prefect is imported (it reads them at import), and the
+temporary local server of a run from the command line."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
 
 def use_local_prefect(root: str | Path) -> None:
@@ -14,4 +25,87 @@ def use_local_prefect(root: str | Path) -> None:
     if not os.environ.get("PREFECT_API_URL"):
         os.environ.setdefault("PREFECT_HOME", str(Path(root).resolve() / ".prefect"))
         # the temporary server starts in ~10 s; on a busy 2-core machine it can take longer than the default 20 s
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+        os.environ.setdefault(STARTUP_TIMEOUT_ENV, "120")
+
+
+@contextmanager
+def temporary_server_if_needed() -> Iterator[str | None]:
+    """With no PREFECT_API_URL, Prefect's temporary local server, started here in its own session; yields its
+    API URL (None when PREFECT_API_URL names a server). Prefect starts the same server itself, in the
+    terminal's process group: a Ctrl-C then killed it mid-run and the flow hung, unable to report its end.
+    In its own session only `rlhf run` gets the Ctrl-C; it stops the stage, reports the run cancelled, and
+    stops this server last."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield None
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # outside the flow's own handlers, a SIGTERM must still unwind to the `finally` that stops the server
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
+    url, server = None, None
+    try:
+        url, server = _start_server()
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        if server is not None:
+            _drain_prefect_workers()
+            _stop(server)
+
+
+def _drain_prefect_workers(timeout_s: float = 5.0) -> None:
+    """Send Prefect's queued logs and events while the server still answers; its exit hook would otherwise
+    wait forever on a server that is gone (what prefect.testing's harness does before it stops its server)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout_s)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def _start_server() -> tuple[str, subprocess.Popen]:
+    """The uvicorn command of Prefect's temporary server (prefect/server/api/server.py, SubprocessASGIServer
+    in Prefect 3.8), in a new session; returns its API URL once it answers."""
+    import httpx
+    import prefect
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
+         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level",
+         "error", "--lifespan", "on"], env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + float(os.environ.get(STARTUP_TIMEOUT_ENV, "120"))
+    try:
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url, server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    except BaseException:  # a Ctrl-C while it starts: no server left behind
+        _stop(server)
+        raise
+    _stop(server)
+    raise RuntimeError(f"the temporary Prefect server did not answer on {url} (exit status {server.poll()}); "
+                       f"start one with `prefect server start` and set PREFECT_API_URL")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from test_dvc import sh
 from test_pipeline import TINY
 
 from flows.dvc_repro import clean_lines, is_transient, log_tail, repro_stage, stage_env
-from flows.lock import WorkspaceBusy, workspace_lock
+from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import apply_overrides
 from tasks.common.dvc_yaml import stage_names
 from tasks.common.params import ParamsError, deep_merge, parse_override
@@ -246,9 +247,20 @@ def test_lock_waits_for_the_holder_to_finish(tmp_path):
     with pytest.raises(WorkspaceBusy, match="busy"):
         with workspace_lock(tmp_path, wait_s=0):
             pass
-    with workspace_lock(tmp_path, wait_s=60):  # waits for the first run, then proceeds
+    messages = []
+    with workspace_lock(tmp_path, wait_s=60, on_wait=messages.append):  # waits for the first run, then proceeds
         assert not thread.is_alive()
     thread.join()
+    assert len(messages) == 1 and "waiting up to 60 s for the workspace lock, held by pid" in messages[0], messages
+
+
+def test_a_signal_ends_the_wait_for_the_lock(tmp_path):
+    with workspace_lock(tmp_path, wait_s=0):
+        start = time.monotonic()
+        with pytest.raises(LockWaitStopped, match="stopped by SIGINT while waiting"):
+            with workspace_lock(tmp_path, wait_s=600, stop=lambda: "SIGINT"):
+                pass
+        assert time.monotonic() - start < 5
 
 
 def test_repro_stage_skips_unchanged_and_keeps_the_log(failing_repo):
@@ -304,3 +316,80 @@ def test_the_server_scheduler_creates_runs_of_a_scheduled_deployment(tmp_path):
     assert runs, f"the scheduler created no run in 45 s; server log:\n{server_log[-3000:]}"
     assert all(r.auto_scheduled and r.state.is_scheduled() for r in runs)
     assert "Can't evaluate bulk DML" not in server_log
+
+
+SLEEP_MARK = "time.sleep(600.25)"  # a stage that runs until stopped, findable among the processes
+
+
+@pytest.fixture
+def sleeping_repo(tmp_path, mlflow_db_template):
+    """A pipeline whose second stage runs until it is stopped, tracking into its own MLflow store."""
+    stages = {"ok": {"cmd": "echo fine > ok.txt", "outs": ["ok.txt"]},
+              "slow": {"cmd": f"python -c \"import time; print('slow stage started', flush=True); {SLEEP_MARK}\"",
+                       "deps": ["ok.txt"], "outs": ["never.txt"]},
+              "after": {"cmd": "echo never > after.txt", "deps": ["never.txt"], "outs": ["after.txt"]}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (tmp_path / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
+    (tmp_path / ".gitignore").write_text("mlflow.db\nmlartifacts/\n.prefect/\nreports/\n")
+    shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")
+    return git_dvc_repo(tmp_path)
+
+
+def processes_in(directory: Path) -> list[str]:
+    """Command lines of the processes whose working directory is `directory`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(proc / "cwd")) == directory:
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
+    """Ctrl-C (SIGINT to the terminal's whole process group) or a worker's SIGTERM (to `rlhf run` alone)
+    in the middle of a stage: the stage stops, the Prefect run ends Cancelled, the MLflow run KILLED, the
+    run record names the failure, the lock is free, no process is left, one message, within seconds."""
+    import sqlite3
+
+    from mlflow import MlflowClient
+
+    proc = subprocess.Popen([BIN / "rlhf", "run"], cwd=sleeping_repo, env=base_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + STARTUP_S
+    while not any("slow stage started" in line for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    stopped_at = time.monotonic()
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # what a terminal does on Ctrl-C
+    else:
+        proc.send_signal(sig)  # what a Prefect worker does to the flow's process
+    proc.wait(timeout=60)
+    seconds = time.monotonic() - stopped_at
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert proc.returncode == 128 + sig, output
+    assert seconds < 15, f"took {seconds:.1f} s to stop\n{output}"
+    assert output.count("interrupted:") == 1 and f"stopped by {sig.name}" in output, output
+    assert "Traceback" not in output, output
+
+    [record] = [json.loads(p.read_text()) for p in (sleeping_repo / "reports" / "runs").glob("*.json")]
+    assert record["status"] == "KILLED" and f"stage 'slow' stopped by {sig.name}" in record["failure"]
+    assert [s["stage"] for s in record["stages"]] == ["ok"]
+    mlflow_run = MlflowClient(f"sqlite:///{sleeping_repo / 'mlflow.db'}").get_run(record["mlflow_run_id"])
+    assert mlflow_run.info.status == "KILLED"
+    with sqlite3.connect(sleeping_repo / ".prefect" / "prefect.db") as db:
+        flow_runs = db.execute("select state_type from flow_run").fetchall()
+        task_runs = dict(db.execute("select name, state_type from task_run").fetchall())
+    assert flow_runs == [("CANCELLED",)], flow_runs
+    assert task_runs.get("slow") == "CANCELLED", task_runs
+    with workspace_lock(sleeping_repo, wait_s=0):  # released
+        pass
+    assert not [p for p in processes_in(sleeping_repo) if SLEEP_MARK in p or "uvicorn" in p], "processes left"
+    assert not (sleeping_repo / "after.txt").exists()
