@@ -101,18 +101,21 @@ def run(profile: Profile = None, overrides: Overrides = None,
                                                         "workspace, then give up.")] = 600.0) -> None:
     """Run the whole pipeline as the Prefect flow rlhf-pipeline: each dvc.yaml stage through DVC.
 
-    Overrides are written into params.yaml (as `dvc exp run -S` does) and stay there. With no
+    Overrides are in params.yaml for this run only: the file is restored when the run ends. With no
     PREFECT_API_URL the flow runs on a temporary local Prefect server whose state is kept in .prefect/.
     """
     from pathlib import Path
 
+    from flows.overrides import check_run_inputs
     from flows.prefect_env import use_local_prefect
     from tasks.common.params import ParamsError, load_params
     from tasks.common.progress import quiet_libraries
 
     root = Path.cwd()
-    try:  # fail on a bad key at once, before Prefect starts
-        profile = load_params(root, profile, overrides or []).base.profile
+    try:  # fail on a bad key, a missing source file or an ignored override at once, before Prefect starts
+        params = load_params(root, profile, overrides or [])
+        check_run_inputs(params, root, overrides or [])
+        profile = params.base.profile
     except ParamsError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

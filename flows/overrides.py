@@ -1,23 +1,45 @@
-"""A run's profile and `section.key=value` overrides, written into params.yaml the way `dvc exp run -S` does.
+"""A run's profile and `section.key=value` overrides: in params.yaml for the run, restored after it.
 
-DVC decides what to rerun from params.yaml, so overrides must be in that file for the stages (and a later
-`dvc repro` or `dvc status`) to see them. They stay there after the run, as with `dvc exp run`: the
-workspace then matches dvc.lock, `dvc status` is clean, and `git diff params.yaml` shows what the run
-changed. Each run also leaves a record under reports/runs/, so earlier overrides are never lost.
+DVC decides what to rerun from params.yaml, so overrides must be in that file while the stages run. They
+are per run, not sticky: when the run ends (finished, failed or interrupted) params.yaml is put back byte
+for byte, so a later plain run uses the parameters the user wrote, not the previous run's overrides. (Kept
+as DVC experiments instead, each run would have to be one `dvc exp run`: one process for all stages, no
+Prefect task per stage; and `dvc exp run` also leaves the overrides in the workspace's params.yaml.)
+A run killed before it could restore the file leaves a note in .dvc/tmp/; the next run restores from it.
+
+The edit goes through ruamel.yaml, round trip: comments, quotes, flow mappings and line layout stay as
+written (DVC's own writer rewrapped long lines and unquoted "no", which PyYAML then reads as False).
+Every run leaves a record under reports/runs/, so its overrides are never lost.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlhf_core.jsonio import write_json
-from tasks.common.params import PARAMS_FILE, deep_merge, flatten, load_params, parse_override
+from rlhf_core.jsonio import read_json_object, write_json
+from rlhf_core.sources import LOCAL_SUFFIXES
+from tasks.common.params import (
+    PARAMS_FILE,
+    Params,
+    ParamsError,
+    deep_merge,
+    flatten,
+    load_params,
+    parse_override,
+)
 
 RUNS_DIR = "reports/runs"
+RESTORE_NOTE = ".dvc/tmp/rlhf-params-restore.json"  # {"original": text, "written": text} while a run has them
+SOURCE_ONLY = ("prepare.sft", "prepare.preferences", "prepare.prompts", "prepare.eval_fraction")  # not the world's
 
 
 def _get(data: dict, key: str) -> Any:
@@ -28,34 +50,139 @@ def _get(data: dict, key: str) -> Any:
     return data
 
 
-def _set(data, key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        if not isinstance(data.get(part), dict):
-            data[part] = {}
-        data = data[part]
-    data[last] = value
+def _round_trip_yaml():
+    from ruamel.yaml import YAML
+
+    rt = YAML()  # round trip: keeps comments, quotes and flow style
+    rt.preserve_quotes = True
+    rt.width = 4096  # never rewrap a line
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    return rt
 
 
-def apply_overrides(root: str | Path, profile: str, overrides: list[str]) -> list[tuple[str, Any, Any]]:
-    """Validate `profile` + `overrides`, then write them into params.yaml; returns (key, old, new) per change.
+def _yaml_value(value: Any) -> Any:
+    """A string PyYAML would read back as something else ("no", "1e-3", "null") is written quoted."""
+    from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
-    Raises tasks.common.params.ParamsError (naming the key) before anything is written."""
-    load_params(root, profile, list(overrides))
+    if isinstance(value, str) and yaml.safe_load(value) != value:
+        return DoubleQuotedScalarString(value)
+    return value
+
+
+def edited_yaml(text: str, settings: dict[str, Any]) -> str:
+    """`text` with each dotted key set to its value; every other line as it was."""
+    rt = _round_trip_yaml()
+    data = rt.load(text) or {}
+    for key, value in settings.items():
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[last] = _yaml_value(value)
+    out = io.StringIO()
+    rt.dump(data, out)
+    return out.getvalue()
+
+
+def check_run_inputs(params: Params, root: str | Path, overrides: list[str]) -> None:
+    """What the stages cannot check before DVC deletes their outputs: an override the data source ignores,
+    and a local source file that is not there. ParamsError naming every such key."""
+    prepare, errors = params.prepare, []
+    for key in (item.partition("=")[0] for item in overrides):
+        if prepare.source == "world" and key in SOURCE_ONLY:
+            errors.append(f"{key}: read only when prepare.source is not 'world' (it is 'world'); set "
+                          f"prepare.source too, e.g. --set prepare.source=files")
+        elif prepare.source != "world" and key.startswith("prepare.world."):
+            errors.append(f"{key}: read only when prepare.source is 'world' (it is {prepare.source!r})")
+    if prepare.source != "world":
+        errors += [f"prepare.{name}: required when prepare.source is {prepare.source!r}"
+                   for name in ("sft", "preferences") if not getattr(prepare, name)]
+        errors += [f"prepare.{name}: {value}: no such file or directory (in {Path(root).resolve()})"
+                   for name in ("sft", "preferences", "prompts") if (value := getattr(prepare, name))
+                   and _looks_local(value) and not (Path(root) / value).exists()]
+    if errors:
+        raise ParamsError("invalid parameters for this run:\n  " + "\n  ".join(errors))
+
+
+def _looks_local(source: str) -> bool:
+    """A path, not a hub id: as rlhf_core.sources.load_rows tells them apart."""
+    return source.startswith((".", "/")) or Path(source).suffix in LOCAL_SUFFIXES
+
+
+def planned_changes(root: str | Path, profile: str, overrides: list[str]) -> list[tuple[str, Any, Any]]:
+    """Validate `profile` + `overrides` (ParamsError naming the key, a missing source file, an override the
+    source ignores) and return the (key, old, new) changes they make to params.yaml."""
+    params = load_params(root, profile, list(overrides))
+    check_run_inputs(params, root, overrides)
     wanted: dict = {}
     for item in overrides:
         wanted = deep_merge(wanted, parse_override(item))
     settings = {**flatten(wanted), "base.profile": profile}
-    path = Path(root) / PARAMS_FILE
-    current = yaml.safe_load(path.read_text()) or {}
-    changes = [(key, _get(current, key), value) for key, value in settings.items() if _get(current, key) != value]
-    if changes:
-        from dvc.utils.serialize import modify_yaml  # what `dvc exp run -S` uses: keeps comments and layout
+    current = yaml.safe_load((Path(root) / PARAMS_FILE).read_text()) or {}
+    return [(key, _get(current, key), value) for key, value in settings.items() if _get(current, key) != value]
 
-        with modify_yaml(path) as data:
-            for key, _, value in changes:
-                _set(data, key, value)
-    return changes
+
+@contextmanager
+def overrides_applied(root: str | Path, profile: str, overrides: list[str]) -> Iterator[list[tuple[str, Any, Any]]]:
+    """params.yaml with the run's overrides while the block runs, as it was afterwards; yields the changes.
+
+    Raises tasks.common.params.ParamsError before anything is written."""
+    root = Path(root)
+    changes = planned_changes(root, profile, overrides)
+    if not changes:
+        yield changes
+        return
+    path, note = root / PARAMS_FILE, root / RESTORE_NOTE
+    original = path.read_text()
+    written = edited_yaml(original, {key: new for key, _, new in changes})
+    write_json(note, {"original": original, "written": written})
+    path.write_text(written)
+    try:
+        yield changes
+    finally:
+        _restore(path, note)
+
+
+def _restore(path: Path, note: Path) -> str | None:
+    """Put params.yaml back as the note says it was; a message when it cannot, None when done."""
+    saved = read_json_object(note)
+    if saved is None:
+        return None
+    message = None
+    if path.read_text() == saved["written"]:
+        path.write_text(saved["original"])
+    else:  # edited by hand during the run: the user's edit wins
+        message = (f"{path} changed during the run; left as it is. Before the run it was:\n"
+                   f"{saved['original']}")
+    note.unlink()
+    return message
+
+
+def restore_after_killed_run(root: str | Path) -> str | None:
+    """A run killed before it restored params.yaml left its note: restore now. A message saying what was
+    done, or None when there was nothing to do."""
+    path, note = Path(root) / PARAMS_FILE, Path(root) / RESTORE_NOTE
+    if not note.is_file():
+        return None
+    return _restore(path, note) or f"{path}: restored; an interrupted run had left its overrides in it"
+
+
+def local_edits(root: str | Path) -> list[tuple[str, Any, Any]]:
+    """(key, committed, now) for each value of params.yaml that differs from the committed file (git HEAD);
+    empty outside git or when the file is not committed."""
+    try:
+        committed = subprocess.run(["git", "show", f"HEAD:{PARAMS_FILE}"], cwd=root, capture_output=True,
+                                   text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if committed.returncode != 0:
+        return []
+    before = flatten(yaml.safe_load(committed.stdout) or {})
+    now = flatten(yaml.safe_load((Path(root) / PARAMS_FILE).read_text()) or {})
+    return [(key, before.get(key), now.get(key)) for key in sorted(set(before) | set(now))
+            if before.get(key) != now.get(key)]
 
 
 def write_run_record(root: str | Path, record: dict) -> Path:
@@ -64,3 +191,7 @@ def write_run_record(root: str | Path, record: dict) -> Path:
     path = Path(root) / RUNS_DIR / f"{started}-{str(record.get('flow_run_id', 'local'))[:8]}.json"
     write_json(path, record)
     return path
+
+
+def describe(changes: list[tuple[str, Any, Any]]) -> str:
+    return ", ".join(f"{key} {json.dumps(old)} -> {json.dumps(new)}" for key, old, new in changes)

@@ -4,8 +4,9 @@ Typed parameters (the UI shows them as a form): a profile, `section.key=value` o
 wait for another run that holds the workspace. One run:
 
 1. takes the workspace lock (flows/lock.py), so two runs never interleave in one workspace;
-2. validates the overrides and writes them into params.yaml as `dvc exp run -S` does (flows/overrides.py);
-   a bad key fails here, before anything runs, naming the key;
+2. validates the overrides (keys, source files, overrides the data source ignores) and writes them into
+   params.yaml for this run only: the file is restored when the run ends (flows/overrides.py); a bad key
+   fails here, before anything runs, naming the key;
 3. opens the MLflow pipeline run (flows/pipeline_run.py) and records the overrides: MLflow params, a
    Prefect artifact, and reports/runs/<time>-<run>.json;
 4. runs each stage through DVC (flows/dvc_repro.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
@@ -32,7 +33,13 @@ from prefect.states import Cancelled, Failed, State
 from flows import interrupt, reports
 from flows.dvc_repro import is_transient, log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
-from flows.overrides import apply_overrides, write_run_record
+from flows.overrides import (
+    describe,
+    local_edits,
+    overrides_applied,
+    restore_after_killed_run,
+    write_run_record,
+)
 from flows.pipeline_run import end_pipeline_run, run_url, start_pipeline_run
 from tasks.common.dvc_yaml import stage_names
 from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
@@ -101,13 +108,25 @@ def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[
 def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
     logger = get_run_logger()
     names = stage_names(root)  # dvc.yaml's order; FileNotFoundError outside the repo root
-    changes = apply_overrides(root, profile, overrides)  # ParamsError before anything runs
-    for key, old, new in changes:
-        logger.info("params.yaml: %s %r -> %r", key, old, new)
+    restored = restore_after_killed_run(root)
+    if restored:
+        logger.warning("%s", restored)
+    edits = local_edits(root)
+    if edits:
+        logger.warning("params.yaml differs from the committed one (git HEAD), and this run uses it: %s",
+                       describe(edits))
+    with overrides_applied(root, profile, overrides) as changes:  # ParamsError before anything is written
+        if changes:
+            logger.info("params.yaml for this run only (restored after it): %s", describe(changes))
+        return _run_with_params(root, names, profile, overrides, changes, edits)
+
+
+def _run_with_params(root: Path, names: list[str], profile: str, overrides: list[str], changes: list,
+                     edits: list) -> dict | State:
     parent = start_pipeline_run(root, profile, overrides)  # '' when tracking is off
     record = {"flow_run_id": flow_run.get_id() or "local", "flow_run_name": flow_run.get_name(),
               "profile": profile, "overrides": overrides, "params_changed": [list(c) for c in changes],
-              "mlflow_run_id": parent, "status": "RUNNING"}
+              "params_local_edits": [list(e) for e in edits], "mlflow_run_id": parent, "status": "RUNNING"}
     record_path = write_run_record(root, record)
     create_markdown_artifact(reports.run_parameters(profile, overrides, changes, record_path.relative_to(root)),
                              key="rlhf-run-parameters", description="profile, overrides, params.yaml changes")
@@ -132,7 +151,7 @@ def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B00
 
     Args:
         profile: `demo` (built-in world, tiny models, CPU) or a profiles/NAME.yaml.
-        overrides: `section.key=value` items, e.g. `train.kl_coef=0.1`; kept in params.yaml after the run.
+        overrides: `section.key=value` items, e.g. `train.kl_coef=0.1`; in params.yaml for this run only.
         wait_for_lock_s: how long to wait while another run holds this workspace, then fail.
     """
     root = Path.cwd()

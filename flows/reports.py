@@ -37,7 +37,7 @@ def run_parameters(profile: str, overrides: list[str], changes: list[tuple[str, 
     lines = [f"# Run parameters\n\nprofile: `{profile}`\n\noverrides: "
              + (", ".join(f"`{o}`" for o in overrides) if overrides else "none")]
     if changes:
-        lines.append("\nparams.yaml changed (kept after the run, as `dvc exp run -S` does):\n")
+        lines.append("\nparams.yaml for this run only (restored when it ends):\n")
         lines.append(markdown_table(["key", "before", "now"], [[k, old, new] for k, old, new in changes]))
     else:
         lines.append("\nparams.yaml unchanged.")

@@ -25,10 +25,19 @@ import pytest
 import yaml
 from test_dvc import sh
 from test_pipeline import TINY
+from typer.testing import CliRunner
 
+from cli.main import app
 from flows.dvc_repro import clean_lines, is_transient, log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
-from flows.overrides import apply_overrides
+from flows.overrides import (
+    RESTORE_NOTE,
+    edited_yaml,
+    local_edits,
+    overrides_applied,
+    planned_changes,
+    restore_after_killed_run,
+)
 from tasks.common.dvc_yaml import stage_names
 from tasks.common.params import ParamsError, deep_merge, parse_override
 
@@ -115,7 +124,8 @@ def pipeline_repo(tmp_path, mlflow_db_template):
 @pytest.fixture
 def failing_repo(tmp_path):
     """A two-stage pipeline whose second stage fails, for the failure path without any model."""
-    stages = {"ok": {"cmd": "echo fine > ok.txt", "outs": ["ok.txt"]},
+    seed = "python -c \"import yaml; print(yaml.safe_load(open('params.yaml'))['base']['seed'])\""
+    stages = {"ok": {"cmd": f"{seed} > ok.txt", "params": ["base.seed"], "outs": ["ok.txt"]},
               "broken": {"cmd": "python -c \"import sys; print('the reward model is on fire'); sys.exit(3)\"",
                          "deps": ["ok.txt"], "outs": ["never.txt"]}}
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
@@ -146,6 +156,7 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = base_env(PREFECT_API_URL=in_process_api, PREFECT_HOME=str(log.parent))
+    params_before = (pipeline_repo / "params.yaml").read_text()
     with log.open("w") as out:
         serve = subprocess.Popen([BIN / "rlhf", "serve"], cwd=pipeline_repo, env=env, stdout=out,
                                  stderr=subprocess.STDOUT)
@@ -170,9 +181,8 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
     parent_id = json.loads(next((pipeline_repo / "reports" / "runs").glob("*.json")).read_text())["mlflow_run_id"]
     assert f"/runs/{parent_id}" in by_key["rlhf-mlflow-run"].data  # a link into the MLflow UI
 
-    # overrides: kept in params.yaml (so `dvc status` is clean), recorded in reports/runs/ and in MLflow
-    assert yaml.safe_load((pipeline_repo / "params.yaml").read_text())["train"]["kl_coef"] == 0.07
-    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=pipeline_repo)
+    # overrides: for this run only (params.yaml as before), recorded in reports/runs/ and in MLflow
+    assert (pipeline_repo / "params.yaml").read_text() == params_before
     [record_file] = (pipeline_repo / "reports" / "runs").glob("*.json")
     record = json.loads(record_file.read_text())
     assert record["status"] == "FINISHED" and record["overrides"] == ["train.kl_coef=0.07"]
@@ -190,6 +200,8 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
     assert second["flow_run_id"] != record["flow_run_id"] and not any(s["ran"] for s in second["stages"])
     assert "unchanged, skipped" in proc.stdout, proc.stdout
     assert "mlflow ui --backend-store-uri sqlite:///" in proc.stdout and "win rate vs SFT" in proc.stdout
+    assert "rlhf-policy v1: now" in proc.stdout, proc.stdout  # read from the registry
+    assert (pipeline_repo / "params.yaml").read_text() == params_before
     assert (pipeline_repo / ".prefect").is_dir(), "the temporary server keeps its state under the repo"
 
 
@@ -210,6 +222,7 @@ def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, m
 
     monkeypatch.chdir(failing_repo)
     monkeypatch.setenv("RLHF_TRACKING", "off")
+    before = (failing_repo / "params.yaml").read_text()
     state = rlhf_pipeline(overrides=["base.seed=3"], return_state=True)
     assert state.is_failed()
     assert "stage 'broken' failed" in state.message and "the reward model is on fire" in state.message
@@ -217,8 +230,9 @@ def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, m
     [record] = [json.loads(p.read_text()) for p in (failing_repo / "reports" / "runs").glob("*.json")]
     assert record["status"] == "FAILED" and record["overrides"] == ["base.seed=3"]
     assert [s["stage"] for s in record["stages"]] == ["ok"] and "on fire" in record["failure"]
-    params = (failing_repo / "params.yaml").read_text()
-    assert "seed: 3" in params and "# kept" in params, "written like `dvc exp run -S`: comments kept"
+    assert (failing_repo / "ok.txt").read_text().strip() == "3", "the stage ran with the override"
+    assert (failing_repo / "params.yaml").read_text() == before, "the override was for this run only"
+    assert record["params_changed"] == [["base.seed", 0, 3]]
 
 
 def test_second_run_refuses_naming_the_holder(failing_repo, in_process_api, monkeypatch):
@@ -272,12 +286,79 @@ def test_repro_stage_skips_unchanged_and_keeps_the_log(failing_repo):
     assert broken.returncode != 0 and "on fire" in log_tail(broken.log)
 
 
-def test_apply_overrides_validates_and_reports_changes(failing_repo):
+def test_planned_changes_validate_and_list_the_changes(failing_repo):
     with pytest.raises(ParamsError, match="train.kl_coeff"):
-        apply_overrides(failing_repo, "demo", ["train.kl_coeff=1"])
-    changes = apply_overrides(failing_repo, "demo", ["train.kl_coef=0.2", "base.seed=0"])
-    assert changes == [("train.kl_coef", None, 0.2)]
-    assert apply_overrides(failing_repo, "demo", ["train.kl_coef=0.2"]) == []
+        planned_changes(failing_repo, "demo", ["train.kl_coeff=1"])
+    assert planned_changes(failing_repo, "demo", ["train.kl_coef=0.2", "base.seed=0"]) == [
+        ("train.kl_coef", None, 0.2)]
+
+
+def test_overrides_are_restored_even_when_the_run_fails(failing_repo):
+    path = failing_repo / "params.yaml"
+    before = path.read_text()
+    with pytest.raises(RuntimeError, match="stage failed"):
+        with overrides_applied(failing_repo, "demo", ["base.seed=7"]) as changes:
+            assert changes == [("base.seed", 0, 7)] and "seed: 7" in path.read_text()
+            raise RuntimeError("stage failed")
+    assert path.read_text() == before
+    assert not (failing_repo / RESTORE_NOTE).exists()
+
+
+def test_a_killed_run_leaves_a_note_the_next_run_restores_from(failing_repo):
+    path = failing_repo / "params.yaml"
+    before = path.read_text()
+    killed = overrides_applied(failing_repo, "demo", ["base.seed=7"])
+    killed.__enter__()  # and never __exit__: the process died (kill -9)
+    assert "seed: 7" in path.read_text()
+    assert "restored" in restore_after_killed_run(failing_repo)
+    assert path.read_text() == before and restore_after_killed_run(failing_repo) is None
+
+
+def test_overrides_edit_only_their_own_lines(tmp_path):
+    """The repo's params.yaml: comments, quotes, nulls and long flow mappings stay as written (DVC's writer
+    rewrapped `sft.tiny` and unquoted "no", which PyYAML then reads as False)."""
+    text = (REPO / "params.yaml").read_text()
+    edited = edited_yaml(text, {"train.kl_coef": 0.07, "runtime.attn_implementation": "eager",
+                                "runtime.frozen_dtype": "no", "train.rloo.rloo_k": 4})
+    changed = [(a, b) for a, b in zip(text.splitlines(), edited.splitlines(), strict=True) if a != b]
+    assert [b.split("#")[0].strip() for _, b in changed] == [
+        "frozen_dtype: \"no\"", "attn_implementation: eager", "kl_coef: 0.07", "rloo_k: 4"], changed
+    assert all("#" in b for a, b in changed if "#" in a), "comments kept"
+    data = yaml.safe_load(edited)
+    assert data["runtime"]["mixed_precision"] == "no" and data["runtime"]["frozen_dtype"] == "no"
+    assert data["runtime"]["accelerate_config"] is None and data["train"]["kl_coef"] == 0.07
+
+
+def test_local_edits_name_what_differs_from_the_committed_params(failing_repo):
+    assert local_edits(failing_repo) == []
+    path = failing_repo / "params.yaml"
+    path.write_text(path.read_text().replace("seed: 0", "seed: 5"))
+    assert local_edits(failing_repo) == [("base.seed", 0, 5)]
+
+
+def test_missing_source_files_and_ignored_overrides_fail_before_anything_runs(failing_repo, in_process_api,
+                                                                                   monkeypatch):
+    from flows.pipeline import rlhf_pipeline
+
+    monkeypatch.chdir(failing_repo)
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    before = (failing_repo / "params.yaml").read_text()
+    missing = rlhf_pipeline(overrides=["prepare.source=files", "prepare.sft=data/mine.jsonl",
+                                       "prepare.preferences=/nowhere/prefs.parquet"], return_state=True)
+    assert missing.is_failed(), missing
+    assert "prepare.sft: data/mine.jsonl: no such file or directory" in missing.message
+    assert "prepare.preferences: /nowhere/prefs.parquet: no such file" in missing.message
+    ignored = rlhf_pipeline(overrides=["prepare.sft=trl-lib/tldr"], return_state=True)
+    assert ignored.is_failed() and "prepare.sft: read only when prepare.source is not 'world'" in ignored.message
+    ignored_world = rlhf_pipeline(overrides=["prepare.source=hub", "prepare.sft=a/b", "prepare.preferences=c/d",
+                                             "prepare.world.sft_train=10"], return_state=True)
+    assert ignored_world.is_failed() and "prepare.world.sft_train: read only when" in ignored_world.message
+    assert (failing_repo / "params.yaml").read_text() == before
+    assert not (failing_repo / "reports").exists() and not (failing_repo / "ok.txt").exists(), "no stage ran"
+
+    result = CliRunner().invoke(app, ["run", "--set", "prepare.source=files", "--set", "prepare.sft=x.jsonl",
+                                      "--set", "prepare.preferences=y.jsonl"])
+    assert result.exit_code == 2 and "prepare.sft: x.jsonl: no such file" in result.output, result.output
 
 
 def test_transient_failures_and_terminal_logs():
@@ -356,7 +437,9 @@ def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
 
     from mlflow import MlflowClient
 
-    proc = subprocess.Popen([BIN / "rlhf", "run"], cwd=sleeping_repo, env=base_env(), stdout=subprocess.PIPE,
+    params_before = (sleeping_repo / "params.yaml").read_text()
+    proc = subprocess.Popen([BIN / "rlhf", "run", "--set", "base.seed=4"], cwd=sleeping_repo, env=base_env(),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -393,3 +476,4 @@ def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
         pass
     assert not [p for p in processes_in(sleeping_repo) if SLEEP_MARK in p or "uvicorn" in p], "processes left"
     assert not (sleeping_repo / "after.txt").exists()
+    assert (sleeping_repo / "params.yaml").read_text() == params_before, "the override was for this run only"

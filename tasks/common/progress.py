@@ -156,8 +156,8 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
         console.print(f"[bold]registry:[/bold] {registry}")
     if result.get("params_changed"):
         changed = ", ".join(f"{k}={new!r}" for k, _, new in result["params_changed"])
-        console.print(f"[bold]params.yaml[/bold] now has {changed} (kept, as `dvc exp run` does; "
-                      "`git diff params.yaml` shows it)")
+        console.print(f"[bold]overrides[/bold] {changed} were for this run only: params.yaml is back as it was "
+                      "(the run record, MLflow and Prefect keep them)")
     console.print("[bold]where to look[/bold]")
     if mlflow_uri and result.get("mlflow_run_id"):
         console.print(f"  MLflow:  mlflow ui --backend-store-uri {mlflow_uri}   (run {result['mlflow_run_id']})")
