@@ -14,8 +14,17 @@ app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) 
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"rlhf-pipeline {version('rlhf-pipeline')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                                 help="Print the version and exit.")] = False) -> None:
     """An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs."""
 
 

@@ -28,7 +28,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, Failed, State
+from prefect.states import Cancelled, Completed, Failed, State
 
 from flows import interrupt, reports
 from flows.dvc_repro import is_transient, log_tail, repro_stage, stage_env
@@ -40,10 +40,10 @@ from flows.overrides import (
     restore_after_killed_run,
     write_run_record,
 )
-from flows.pipeline_run import end_pipeline_run, run_url, start_pipeline_run
+from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
 from tasks.common.dvc_yaml import stage_names
 from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
-from tasks.common.params import ParamsError
+from tasks.common.params import ParamsError, load_params
 
 LOGS_DIR = "reports/logs"
 
@@ -69,8 +69,12 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
         # A returned Failed state (not an exception): the message is the story, no engine traceback.
         return Failed(message=f"stage {name!r} failed (exit status {result.returncode}) after "
                               f"{result.seconds:.0f} s; last lines of {log}:\n{log_tail(log)}")
-    logger.info("stage %s: %s", name, f"ran in {result.seconds:.1f} s" if result.ran else "unchanged, skipped")
-    return {"stage": name, "ran": result.ran, "seconds": round(result.seconds, 1)}
+    outcome = {"stage": name, "ran": result.ran, "seconds": round(result.seconds, 1)}
+    if not result.ran:  # shown as "Cached" in the UI, not as a Completed run of the stage
+        logger.info("stage %s: unchanged since dvc.lock, skipped", name)
+        return Completed(data=outcome, name="Cached", message="unchanged since dvc.lock: DVC skipped it")
+    logger.info("stage %s: ran in %.1f s", name, result.seconds)
+    return outcome
 
 
 def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
@@ -144,7 +148,17 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
     return {**record, "record": str(record_path)}
 
 
-@flow(name="rlhf-pipeline", log_prints=False)
+def _flow_run_name() -> str:
+    """The Prefect run's name: the MLflow run's (profile-algo-params hash), not a random pair of words."""
+    parameters = flow_run.parameters
+    try:
+        params = load_params(Path.cwd(), parameters.get("profile"), list(parameters.get("overrides") or []))
+    except (ParamsError, OSError):  # a bad override fails the run with its message; the name needs none
+        return f"{parameters.get('profile', 'demo')}-invalid-params"
+    return run_name(params)
+
+
+@flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, log_prints=False)
 def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B006 (Prefect validates a copy)
                   wait_for_lock_s: float = 600.0) -> dict | State:
     """The RLHF pipeline: every stage of dvc.yaml, in order, through DVC.

@@ -1,8 +1,10 @@
-"""The MLflow run of one pipeline run (the flow's parent of the stage runs): opened with the resolved
-params and overrides, closed with dvc.lock, metrics/*.json and the headline metrics lifted onto it."""
+"""The MLflow run of one pipeline run (the flow's parent of the stage runs): named profile-algo-params hash,
+opened with the resolved params and overrides, closed with dvc.lock, metrics/*.json and the headline metrics
+lifted onto it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -13,7 +15,7 @@ from rlhf_core.jsonio import read_json_object
 from tasks.common.lineage import lineage_tags
 from tasks.common.mlflow_store import LOCAL_UI_ENV, experiment_id, get_client, tracking_enabled, tracking_uri
 from tasks.common.mlflow_tracker import MlflowTracker
-from tasks.common.params import load_params
+from tasks.common.params import Params, load_params
 from tasks.common.stage_tracking import OVERRIDES_TAG
 
 log = logging.getLogger(__name__)
@@ -36,10 +38,17 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
     client = get_client(root)
     tags = {**lineage_tags(root, params.base.profile), "rlhf.kind": "pipeline", "rlhf.root": str(root),
             OVERRIDES_TAG: json.dumps(list(overrides))}
-    run = client.create_run(experiment_id(client, root), run_name=f"pipeline-{params.base.profile}", tags=tags)
+    run = client.create_run(experiment_id(client, root), run_name=run_name(params), tags=tags)
     MlflowTracker(client, run.info.run_id).log_params({**params.model_dump(mode="json"),
                                                        "overrides": json.dumps(list(overrides))})
     return run.info.run_id
+
+
+def run_name(params: Params) -> str:
+    """`<profile>-<algo>-<hash>`, e.g. demo-ppo-3f9a2c1: the hash is of the resolved parameters, so runs with
+    the same name ran the same parameters and a sweep's runs differ by name."""
+    digest = hashlib.md5(json.dumps(params.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    return f"{params.base.profile}-{params.train.algo}-{digest[:7]}"
 
 
 def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:

@@ -33,3 +33,12 @@ def test_an_unknown_stage_is_named_with_the_closest_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = CliRunner().invoke(app, ["stage", "trian"])
     assert result.exit_code == 2 and "did you mean 'train'" in result.output, result.output
+
+
+def test_version_and_a_mistyped_command():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"rlhf-pipeline {version('rlhf-pipeline')}"
+    result = CliRunner().invoke(app, ["modles", "list"])
+    assert result.exit_code == 2 and "Did you mean 'models'?" in result.output, result.output

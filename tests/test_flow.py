@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -212,7 +213,7 @@ def test_bad_override_fails_before_anything_runs(failing_repo, in_process_api, m
     monkeypatch.setenv("RLHF_TRACKING", "off")
     before = (failing_repo / "params.yaml").read_text()
     state = rlhf_pipeline(overrides=["train.kl_coeff=0.1"], return_state=True)
-    assert state.is_failed() and "train.kl_coeff: unknown key; allowed: " in state.message
+    assert state.is_failed() and "train.kl_coeff: unknown key (did you mean 'train.kl_coef'?)" in state.message
     assert (failing_repo / "params.yaml").read_text() == before
     assert not (failing_repo / "reports").exists(), "no stage ran"
 
@@ -233,6 +234,25 @@ def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, m
     assert (failing_repo / "ok.txt").read_text().strip() == "3", "the stage ran with the override"
     assert (failing_repo / "params.yaml").read_text() == before, "the override was for this run only"
     assert record["params_changed"] == [["base.seed", 0, 3]]
+
+
+def test_a_skipped_stage_shows_as_cached(failing_repo, in_process_api, monkeypatch):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.pipeline import rlhf_pipeline
+
+    monkeypatch.chdir(failing_repo)
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    rlhf_pipeline(return_state=True)
+    again = rlhf_pipeline(return_state=True)  # "ok" is unchanged; "broken" fails again
+    with get_client(sync_client=True) as client:
+        flow_run_id = client.read_flow_run(again.state_details.flow_run_id).id
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    states = {t.name: t.state.name for t in tasks}
+    assert states == {"ok": "Cached", "broken": "Failed"}, states
+    record = json.loads(max((failing_repo / "reports" / "runs").glob("*.json")).read_text())
+    assert record["stages"] == [{"stage": "ok", "ran": False, "seconds": record["stages"][0]["seconds"]}]
 
 
 def test_second_run_refuses_naming_the_holder(failing_repo, in_process_api, monkeypatch):
@@ -468,9 +488,10 @@ def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
     mlflow_run = MlflowClient(f"sqlite:///{sleeping_repo / 'mlflow.db'}").get_run(record["mlflow_run_id"])
     assert mlflow_run.info.status == "KILLED"
     with sqlite3.connect(sleeping_repo / ".prefect" / "prefect.db") as db:
-        flow_runs = db.execute("select state_type from flow_run").fetchall()
+        flow_runs = db.execute("select state_type, name from flow_run").fetchall()
         task_runs = dict(db.execute("select name, state_type from task_run").fetchall())
-    assert flow_runs == [("CANCELLED",)], flow_runs
+    assert [state for state, _ in flow_runs] == ["CANCELLED"], flow_runs
+    assert re.fullmatch(r"demo-ppo-[0-9a-f]{7}", flow_runs[0][1]), "named as the MLflow run, not at random"
     assert task_runs.get("slow") == "CANCELLED", task_runs
     with workspace_lock(sleeping_repo, wait_s=0):  # released
         pass

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 from test_pipeline import TINY
 
-from flows.pipeline_run import end_pipeline_run, iter_runs, run_url, start_pipeline_run
+from flows.pipeline_run import end_pipeline_run, iter_runs, run_name, run_url, start_pipeline_run
 from rlhf_core.jsonio import write_json, write_jsonl
 from tasks.common.lineage import file_md5
 from tasks.common.mlflow_store import TrackingError, experiment_id, get_client
@@ -36,7 +37,11 @@ def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
 
     client = get_client(root)
     run = client.get_run(parent)
-    assert run.info.status == "FINISHED" and run.info.run_name == "pipeline-demo"
+    assert run.info.status == "FINISHED" and run.info.run_name == run_name(load_params(root, None, TINY))
+    assert re.fullmatch(r"demo-ppo-[0-9a-f]{7}", run.info.run_name)
+    assert run_name(load_params(root, None, [*TINY, "train.kl_coef=0.3"])) != run.info.run_name
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", "not MLflow's GenAI views"
     assert run.data.params["train.kl_coef"] == "0.05" and run.data.params["prepare.world.sft_train"] == "128"
     assert json.loads(run.data.params["overrides"]) == TINY, "overrides are recorded verbatim"
     assert run.data.tags["rlhf.profile"] == "demo" and run.data.tags["rlhf.git_commit"] == "unknown"
@@ -61,6 +66,13 @@ def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
     standalone = client.search_runs([run.info.experiment_id], "attributes.run_name = 'prepare'",
                                     order_by=["attributes.start_time DESC"])[0]
     assert metrics == {"kept": 1} and "mlflow.parentRunId" not in standalone.data.tags
+
+
+def test_an_experiment_made_without_the_kind_tag_gets_it(mlflow_root):
+    client = get_client(mlflow_root)
+    made = client.create_experiment("rlhf-pipeline")  # by hand, or by an older version of the pipeline
+    assert experiment_id(client, mlflow_root) == made
+    assert client.get_experiment(made).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_tracker_sends_metrics_in_batches(mlflow_root):

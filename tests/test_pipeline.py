@@ -78,8 +78,10 @@ def test_run_writes_every_stage_output(workspace):
 
 
 def test_params_errors_name_the_key(workspace):
-    with pytest.raises(ParamsError, match="train.kl_coeff: unknown key; allowed: .*kl_coef"):
+    with pytest.raises(ParamsError, match=r"train.kl_coeff: unknown key \(did you mean 'train.kl_coef'\?\); allowed: "):
         load_params(workspace, overrides=["train.kl_coeff=0.1"])
+    with pytest.raises(ParamsError, match=r"train.rloo.rloo_kk: unknown key \(did you mean 'train.rloo.rloo_k'\?\)"):
+        load_params(workspace, overrides=["train.rloo.rloo_kk=3"])
     with pytest.raises(ParamsError, match="train.seed is not a parameter"):
         load_params(workspace, overrides=["train.seed=3"])
     assert load_params(workspace, overrides=["train.kl_coef=0.1"]).rl_config().kl_coef == 0.1

@@ -19,6 +19,8 @@ EXPERIMENT_NAME = "rlhf-pipeline"  # MLFLOW_EXPERIMENT_NAME overrides it, as eve
 PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
 TRACKING_ENV = "RLHF_TRACKING"
 LOCAL_UI_ENV = "RLHF_MLFLOW_UI"  # where `mlflow ui` serves a local store (for run links)
+# MLflow 3's UI opens an experiment without this tag in its GenAI views (traces, prompts); ours trains models
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 class TrackingError(RuntimeError):
@@ -86,10 +88,12 @@ def experiment_id(client, root: str | Path = ".") -> str:
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME", EXPERIMENT_NAME)
     found = client.get_experiment_by_name(name)
     if found is not None:
+        if found.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the tag, or by hand: the UI's classic views
+            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return found.experiment_id
     location = None if is_remote(tracking_uri(root)) else str(Path(root).resolve() / "mlartifacts")
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except MlflowException:  # another process created it first
         return client.get_experiment_by_name(name).experiment_id
 

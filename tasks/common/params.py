@@ -7,6 +7,7 @@ that stage, so `train.kl_coef` is `RLConfig.kl_coef`, documented and validated w
 from __future__ import annotations
 
 import copy
+import difflib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -241,7 +242,10 @@ def _explain(err: ValidationError, path: Path) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key; allowed: {', '.join(_allowed_keys(e['loc']))}")
+            allowed = _allowed_keys(e["loc"])
+            close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
+            hint = f" (did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])!r}?)" if close else ""
+            lines.append(f"  {key}: unknown key{hint}; allowed: {', '.join(allowed)}")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
