@@ -192,7 +192,10 @@ def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .
              kind: Annotated[Kind, typer.Option(help="Which suite: prompts {prompt}, sft {prompt, completion}, "
                                                      "preferences {prompt, chosen, rejected}.")],
              tokenizer: Annotated[str | None, typer.Option(help="Policy tokenizer for the token-length bounds "
-                                                               "(default: models/tokenizer if it exists).")] = None,
+                                                               "(default: params.yaml prepare.tokenizer, else "
+                                                               "models/tokenizer).")] = None,
+             skip_token_lengths: Annotated[bool, typer.Option(help="Do not check token lengths (the report "
+                                                                    "says so).")] = False,
              max_prompt_tokens: Annotated[int | None, typer.Option(min=1, help="(default: params.yaml "
                                                                        "prepare.max_prompt_tokens)")] = None,
              max_completion_tokens: Annotated[int | None, typer.Option(min=1, help="(default: params.yaml "
@@ -206,7 +209,7 @@ def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .
     from tasks.stages.validate import ValidateError, check_file, summary_markdown
 
     try:
-        report = check_file(path, kind.value, tokenizer, max_prompt_tokens, max_completion_tokens)
+        report = check_file(path, kind.value, tokenizer, max_prompt_tokens, max_completion_tokens, skip_token_lengths)
     except ValidateError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

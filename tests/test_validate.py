@@ -113,11 +113,27 @@ def test_good_files_pass(workspace, suffix):
     assert "Data validation passed" in result.output
 
 
-def test_without_tokenizer_lengths_are_skipped_and_said(workspace):
-    result = CliRunner().invoke(app, ["validate", str(write_jsonl(workspace / "p.jsonl", GOOD["prompts"])),
-                                      "--kind", "prompts"])
-    assert result.exit_code == 0, result.output
-    assert "Token lengths were not checked" in " ".join(result.output.split())
+def test_without_a_tokenizer_validation_refuses_unless_told_to_skip_lengths(workspace):
+    path = write_jsonl(workspace / "p.jsonl", GOOD["prompts"])
+    refused = CliRunner().invoke(app, ["validate", str(path), "--kind", "prompts"])
+    assert refused.exit_code == 2 and "no tokenizer to check token lengths with" in refused.output, refused.output
+    skipped = CliRunner().invoke(app, ["validate", str(path), "--kind", "prompts", "--skip-token-lengths"])
+    assert skipped.exit_code == 0, skipped.output
+    assert "Token lengths were not checked" in " ".join(skipped.output.split())
+
+
+@pytest.mark.parametrize("where", ["models/tokenizer", "params.yaml"])
+def test_the_pipeline_tokenizer_is_the_default_and_long_prompts_fail_naming_rows(workspace, tokenizer, where):
+    if where == "models/tokenizer":  # what `prepare` trains for the demo
+        tokenizer.save_pretrained(workspace / "models" / "tokenizer")
+    else:  # a real profile's tokenizer
+        (workspace / "params.yaml").write_text("prepare:\n  tokenizer: tok\n")
+    rows = [*GOOD["prompts"], {"prompt": "w2 w3 w4 w5 w6 w7"}, {"prompt": "w2"}, {"prompt": "w3 " * 9}]
+    result = CliRunner().invoke(app, ["validate", str(write_jsonl(workspace / "p.jsonl", rows)), "--kind",
+                                      "prompts", *BUDGET])
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "prompt ≤ 4" in text and "row 3" in text and "row 5" in text and "row 4:" not in text, text
 
 
 UNREADABLE = {  # file name: (content, what the message must say)

@@ -229,22 +229,37 @@ def run(params: Params, paths: Paths) -> dict:
 
 
 def check_file(path: str | Path, kind: str, tokenizer: str | None = None, max_prompt_tokens: int | None = None,
-               max_completion_tokens: int | None = None) -> dict:
+               max_completion_tokens: int | None = None, skip_token_lengths: bool = False) -> dict:
     """`rlhf validate`: one file against its kind's suite. Budgets default to params.yaml's `prepare` section
-    (of the current directory), the tokenizer to `models/tokenizer` when it exists (else lengths are skipped)."""
+    (of the current directory), the tokenizer to the pipeline's (pipeline_tokenizer); with none, the command
+    fails rather than pass prompts that the pipeline would later drop as too long."""
     try:
         cfg = load_params(".").prepare
     except ParamsError as err:
         raise ValidateError(str(err)) from None
-    tokenizer = tokenizer or (str(DEFAULT_TOKENIZER) if DEFAULT_TOKENIZER.is_dir() else None)
-    budget = TokenBudget(_load_tokenizer(tokenizer) if tokenizer else None,
-                         max_prompt_tokens or cfg.max_prompt_tokens, max_completion_tokens or cfg.max_completion_tokens)
+    max_prompt_tokens = max_prompt_tokens or cfg.max_prompt_tokens
+    name = None if skip_token_lengths else tokenizer or pipeline_tokenizer(cfg, max_prompt_tokens)
+    budget = TokenBudget(_load_tokenizer(name) if name else None, max_prompt_tokens,
+                         max_completion_tokens or cfg.max_completion_tokens)
     path = Path(path)
     report = validate_files({path.stem: (path, kind)}, budget)
     unreadable = [c["error"] for c in report["datasets"][0]["checks"] if c["expectation"] == "file_is_readable"]
     if unreadable:  # a file that cannot be read is an error of the command, not a failed expectation
         raise ValidateError(unreadable[0])
     return report
+
+
+def pipeline_tokenizer(cfg, max_prompt_tokens: int) -> str:
+    """The tokenizer the pipeline measures lengths with: params.yaml's prepare.tokenizer (a real profile's),
+    else the one `prepare` trained (models/tokenizer); a ValidateError saying what to do when there is none."""
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if DEFAULT_TOKENIZER.is_dir():
+        return str(DEFAULT_TOKENIZER)
+    raise ValidateError(f"no tokenizer to check token lengths with (prompts <= {max_prompt_tokens} tokens): "
+                        f"params.yaml names no prepare.tokenizer and {DEFAULT_TOKENIZER} does not exist yet. Run "
+                        "`rlhf stage prepare` (it trains the demo's tokenizer), pass --tokenizer DIR_OR_HUB_ID, "
+                        "or --skip-token-lengths")
 
 
 def _load_tokenizer(name: str):
