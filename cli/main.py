@@ -71,6 +71,7 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     from rlhf_core.runtime import RuntimeSettingError
     from tasks.common.launcher import is_main_process, launch_command, run_launched
     from tasks.common.mlflow_store import TrackingError
+    from tasks.common.model_checks import ModelInputError
     from tasks.common.params import ParamsError, load_params
     from tasks.common.runner import check_stage_name, run_stage
     from tasks.stages.inspect import InspectionFailed
@@ -94,7 +95,7 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
         raise typer.Exit(run_launched(command, runtime))
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
-    except (ValidationFailed, InspectionFailed, TrackingError, RegisterError) as err:  # a message, not a traceback
+    except (ValidationFailed, InspectionFailed, TrackingError, RegisterError, ModelInputError) as err:  # a message
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C, or the flow stopping it: its MLflow run is already marked KILLED

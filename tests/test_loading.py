@@ -98,3 +98,49 @@ def test_missing_and_unsupported_sources(tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(SourceError, match="not a readable Parquet"):
         load_rows(tmp_path / "bad.parquet")
+
+
+@pytest.fixture
+def train_workspace(workspace, make_policy, make_scorer_model, tokenizer):
+    """models/sft and models/reward as the train stage reads them (nothing else: the checks come first)."""
+    for name, model in (("sft", make_policy()), ("reward", make_scorer_model())):
+        model.save_pretrained(workspace / "models" / name)
+        tokenizer.save_pretrained(workspace / "models" / name)
+    return workspace
+
+
+def test_bad_model_inputs_are_named_before_anything_loads(train_workspace, make_policy, tiny_config, tokenizer):
+    from transformers import GPTNeoXForSequenceClassification
+
+    from rlhf_core.bench import word_tokenizer
+    from tasks.common.model_checks import ModelInputError, check_reward_model, check_tokenizers
+
+    sft, reward = train_workspace / "models" / "sft", train_workspace / "models" / "reward"
+    check_reward_model(reward)
+    check_tokenizers(sft, reward)
+    make_policy().save_pretrained(train_workspace / "causal")
+    with pytest.raises(ModelInputError, match="causal: the reward model is a GPTNeoXForCausalLM, not a sequence"):
+        check_reward_model(train_workspace / "causal")
+    tiny_config.num_labels = 2
+    GPTNeoXForSequenceClassification(tiny_config).save_pretrained(train_workspace / "two")
+    with pytest.raises(ModelInputError, match="num_labels=2"):
+        check_reward_model(train_workspace / "two")
+    word_tokenizer(20).save_pretrained(train_workspace / "other")
+    with pytest.raises(ModelInputError, match=r"differ in 4 tokens \(e.g. \['w16'"):
+        check_tokenizers(sft, train_workspace / "other")
+    no_pad = word_tokenizer(16)
+    no_pad.pad_token = None
+    no_pad.save_pretrained(train_workspace / "nopad")
+    with pytest.raises(ModelInputError, match="nopad: the tokenizer has no pad token"):
+        check_tokenizers(train_workspace / "nopad", reward)
+
+
+def test_train_refuses_a_causal_lm_as_reward_model(train_workspace, make_policy):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    make_policy().save_pretrained(train_workspace / "models" / "reward")  # over the reward model
+    result = CliRunner().invoke(app, ["stage", "train"])
+    assert result.exit_code == 1 and "the reward model is a GPTNeoXForCausalLM" in result.output, result.output
+    assert "Traceback" not in result.output and not (train_workspace / "checkpoints").exists()

@@ -14,6 +14,7 @@ from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.world.generator import misstated_pairs
 from tasks.common.gold_wiring import gold_fn
+from tasks.common.model_checks import check_reward_model, check_tokenizers
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import epoch_callback, progress_bar
@@ -30,6 +31,8 @@ def run(params: Params, paths: Paths) -> dict:
     train_rows, eval_rows = read_jsonl(paths.split("prefs_train")), read_jsonl(paths.split("prefs_eval"))
     gold = gold_fn(params)
     if cfg.pretrained:  # evaluated as is: on the device, kept in its own dtype (it is saved as the reward model)
+        check_reward_model(cfg.pretrained)
+        check_tokenizers(paths.tokenizer, cfg.pretrained)
         model, metrics = load_scorer_model(cfg.pretrained, **load).to(runtime.device), {}
     else:
         if cfg.init_from_sft:

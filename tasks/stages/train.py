@@ -25,6 +25,7 @@ from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
+from tasks.common.model_checks import check_reward_model, check_tokenizers
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import ProgressTracker, progress_bar
@@ -123,6 +124,8 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
 
 def run(params: Params, paths: Paths) -> dict:
     """Every rank trains; the main process alone prepares and writes the outputs (others return {})."""
+    check_reward_model(paths.reward_model)  # before a checkpoint is kept or discarded, before models load
+    check_tokenizers(paths.sft_model, paths.reward_model)
     cfg = params.rl_config()
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     acc, main = runtime.accelerator, runtime.accelerator.is_main_process
