@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -55,9 +55,30 @@ def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
     return env
 
 
+class LineSplitter:
+    """Complete lines of a relayed terminal output, each as its last redraw left it (see clean_lines)."""
+
+    MAX_PENDING = 1 << 16  # a progress bar redrawn for minutes without a newline keeps only its last redraw
+
+    def __init__(self, on_line: Callable[[str], object]):
+        self.on_line, self.pending = on_line, b""
+
+    def feed(self, chunk: bytes) -> None:
+        *complete, self.pending = (self.pending + chunk).split(b"\n")
+        if len(self.pending) > self.MAX_PENDING:
+            self.pending = self.pending.rsplit(b"\r", 1)[-1][-self.MAX_PENDING:]
+        for raw in complete:
+            for line in clean_lines(raw.decode(errors="replace")):
+                self.on_line(line)
+
+    def close(self) -> None:
+        self.feed(b"\n")
+
+
 def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
-                echo: BinaryIO | None = None) -> ReproResult:
-    """Reproduce stage `name` (if changed) with `root` as the working directory; output to `log` (+ `echo`)."""
+                echo: BinaryIO | None = None, on_line: Callable[[str], object] | None = None) -> ReproResult:
+    """Reproduce stage `name` (if changed) with `root` as the working directory; output to `log` (+ `echo`,
+    and each complete line to `on_line`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     fd, result_file = tempfile.mkstemp(prefix=f"rlhf-{name}-", suffix=".json")
     os.close(fd)
@@ -68,13 +89,16 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
                 [sys.executable, "-m", "flows.dvc_repro", name, result_file], cwd=root, env=dict(env),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as proc:
             RUNNING.add(proc)
+            lines = LineSplitter(on_line or (lambda line: None))
             try:
                 for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # read1: relay redraws as they come
                     out.write(chunk)
+                    lines.feed(chunk)
                     if echo is not None and proc not in STOPPED:  # once stopped, its dying words go to the log only
                         echo.write(chunk)
                         echo.flush()
             finally:
+                lines.close()
                 RUNNING.discard(proc)
                 STOPPED.discard(proc)
         ran = bool((read_json_object(result_file) or {}).get("ran", False))

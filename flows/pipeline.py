@@ -21,6 +21,7 @@ retry can fix (DVC's lock held by a manual `dvc repro`, the OOM killer, network)
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_ur
 from tasks.common.params import ParamsError, load_params
 
 LOGS_DIR = "reports/logs"
+UI_ONLY_LOGGER = "prefect.extra"  # Prefect sends its records to the API only (no console handler)
 
 
 def _retry_if_transient(task, task_run, state: State) -> bool:
@@ -62,13 +64,19 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
     logger.info("stage %s: log %s", name, log)
     terminal = sys.stdout.isatty()
     env = stage_env({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}, terminal)
-    result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None))
+    # the stage's lines (progress bars as they end) in the Prefect UI; the terminal has them from the relay
+    ui_only = logging.LoggerAdapter(logging.getLogger(UI_ONLY_LOGGER), logger.extra)
+    result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None),
+                         on_line=lambda line: ui_only.info("%s", line))
     if interrupt.received():
         return Cancelled(message=f"stage {name!r} stopped by {interrupt.received()} after {result.seconds:.0f} s")
     if result.returncode != 0:
-        # A returned Failed state (not an exception): the message is the story, no engine traceback.
-        return Failed(message=f"stage {name!r} failed (exit status {result.returncode}) after "
-                              f"{result.seconds:.0f} s; last lines of {log}:\n{log_tail(log)}")
+        # A returned Failed state (not an exception): the message is the story, no engine traceback; in the
+        # UI's log too, as plain lines (it shows a state's message as a quoted Python string)
+        message = (f"stage {name!r} failed (exit status {result.returncode}) after {result.seconds:.0f} s; "
+                   f"last lines of {log}:\n{log_tail(log)}")
+        ui_only.error("%s", message)
+        return Failed(message=message)
     outcome = {"stage": name, "ran": result.ran, "seconds": round(result.seconds, 1)}
     if not result.ran:  # shown as "Cached" in the UI, not as a Completed run of the stage
         logger.info("stage %s: unchanged since dvc.lock, skipped", name)

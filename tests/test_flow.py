@@ -218,6 +218,18 @@ def test_bad_override_fails_before_anything_runs(failing_repo, in_process_api, m
     assert not (failing_repo / "reports").exists(), "no stage ran"
 
 
+def ui_log_lines(flow_run_id) -> list[str]:
+    """The lines of a flow run's logs as the Prefect UI shows them."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [line for log in logs for line in log.message.splitlines()]
+
+
 def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, monkeypatch):
     from flows.pipeline import rlhf_pipeline
 
@@ -232,6 +244,9 @@ def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, m
     assert record["status"] == "FAILED" and record["overrides"] == ["base.seed=3"]
     assert [s["stage"] for s in record["stages"]] == ["ok"] and "on fire" in record["failure"]
     assert (failing_repo / "ok.txt").read_text().strip() == "3", "the stage ran with the override"
+    lines = ui_log_lines(state.state_details.flow_run_id)  # the stages' own lines, in the Prefect UI
+    assert "Running stage 'ok':" in lines and "the reward model is on fire" in lines, lines
+    assert any(line.startswith("stage 'broken' failed (exit status") for line in lines), lines
     assert (failing_repo / "params.yaml").read_text() == before, "the override was for this run only"
     assert record["params_changed"] == [["base.seed", 0, 3]]
 
