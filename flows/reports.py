@@ -58,10 +58,12 @@ def evaluation(root: Path) -> str | None:
     completions = root / "reports" / "eval" / "completions.jsonl"
     if completions.is_file():
         rows = read_jsonl(completions)[:HEAD_ROWS]
+        gold = ["score_gold", "ref_score_gold"] if rows and "score_gold" in rows[0] else []  # the world has it
+        scores = ["score_rm", "ref_score_rm", *gold]
         parts.append(f"\n## First {len(rows)} completions (reports/eval/completions.jsonl)\n")
-        parts.append(markdown_table(["prompt", "policy", "reference", "rm", "ref rm"],
+        parts.append(markdown_table(["prompt", "policy", "reference", *(s.replace("score_", "") for s in scores)],
                                     [[r.get("prompt"), r.get("completion"), r.get("ref_completion"),
-                                      r.get("score_rm"), r.get("ref_score_rm")] for r in rows]))
+                                      *(r.get(s) for s in scores)] for r in rows]))
     return "\n".join(parts) + "\n"
 
 

@@ -513,3 +513,16 @@ def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
     assert not [p for p in processes_in(sleeping_repo) if SLEEP_MARK in p or "uvicorn" in p], "processes left"
     assert not (sleeping_repo / "after.txt").exists()
     assert (sleeping_repo / "params.yaml").read_text() == params_before, "the override was for this run only"
+
+
+def test_the_evaluation_artifact_shows_gold_scores_where_the_world_has_them(tmp_path):
+    from flows.reports import evaluation
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "eval.json").write_text(json.dumps({"win_rate_gold": 0.75, "win_rate_rm": 0.9}))
+    row = {"prompt": "p", "completion": "c", "ref_completion": "r", "score_rm": 1.5, "ref_score_rm": 0.5,
+           "score_gold": 0.8, "ref_score_gold": 0.2}
+    (tmp_path / "reports" / "eval").mkdir(parents=True)
+    (tmp_path / "reports" / "eval" / "completions.jsonl").write_text(json.dumps(row) + "\n")
+    text = evaluation(tmp_path)
+    assert "| prompt | policy | reference | rm | ref_rm | gold | ref_gold |" in text and "| 0.8 | 0.2 |" in text, text

@@ -131,7 +131,8 @@ def current_user() -> str:
 
 
 def _pip_requirements(peft: bool) -> list[str]:
-    """Pinned to what runs here; explicit, because inference of them imports torchvision (STACK.md)."""
+    """Pinned to what runs here; explicit, because MLflow's inference of them imports torchvision, which the
+    CPU install lacks (mlflow.transformers.log_model then fails)."""
     from importlib.metadata import version
 
     names = ["torch", "transformers", "tokenizers", "safetensors", "accelerate", "mlflow"] + (["peft"] if peft else [])
@@ -142,7 +143,8 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
     """Log the policy with the transformers flavor into the stage's run, register it; returns the version.
 
     A LoRA policy (an adapter dir) is logged as a PEFT model with `base_model_path`, which mlflow needs to
-    save a PEFT model over a local base correctly (mlflow#23761, STACK.md)."""
+    save a PEFT model over a local base correctly (mlflow#23761: without it the model reloads with random
+    attention weights and no error)."""
     import mlflow
     from huggingface_hub import ModelCard
 
