@@ -187,8 +187,9 @@ def main() -> None:
                     python, script, pythonpath = sides[side]
                     result = launch(python, script, workload, algo, args.device, args.precision, pythonpath)
                     runs.append(result)
-                    print(f"pair {pair} {algo} {side}: {steady_eps(result, spec['warmup_updates']):.2f} episodes/s",
-                          file=sys.stderr, flush=True)
+                    memory = {k: round(v, 1) for k, v in result.items() if k.startswith("peak")}
+                    print(f"pair {pair} {algo} {side}: {steady_eps(result, spec['warmup_updates']):.2f} episodes/s "
+                          f"{memory} {result.get('phases_s', '')}", file=sys.stderr, flush=True)
     summary = summarize(runs, spec["warmup_updates"])
     if args.json:
         args.json.write_text(json.dumps({"spec": spec, "runs": runs, "summary": summary}, indent=2))

@@ -3,6 +3,7 @@ PPO and RLOO updates; prints episodes/s and peak memory. Skipped without CUDA.""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -15,6 +16,15 @@ from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """The DeepSpeed tests launch their own process: memory this one still caches from an earlier test would
+    leave it too little (on an H100, PPO under ZeRO-2 next to the cache of the in-process tests did not fit)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
 
 PYTHIA_1B = dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=8, intermediate_size=8192,
                  max_positions=2048)
