@@ -69,6 +69,7 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
     """
     from rlhf_core.runtime import RuntimeSettingError
+    from tasks.common.guards import NonFiniteTraining
     from tasks.common.launcher import is_main_process, launch_command, run_launched
     from tasks.common.mlflow_store import TrackingError
     from tasks.common.model_checks import ModelInputError
@@ -95,7 +96,8 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
         raise typer.Exit(run_launched(command, runtime))
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
-    except (ValidationFailed, InspectionFailed, TrackingError, RegisterError, ModelInputError) as err:  # a message
+    except (ValidationFailed, InspectionFailed, TrackingError, RegisterError, ModelInputError,
+            NonFiniteTraining) as err:  # a message, not a traceback
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C, or the flow stopping it: its MLflow run is already marked KILLED

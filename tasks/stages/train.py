@@ -25,6 +25,7 @@ from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
+from tasks.common.guards import NonFiniteGuard
 from tasks.common.model_checks import check_reward_model, check_tokenizers
 from tasks.common.params import Params
 from tasks.common.paths import Paths
@@ -150,7 +151,8 @@ def run(params: Params, paths: Paths) -> dict:
         trainer.load_checkpoint(checkpoint)
     total = trainer.plan.num_updates
     with progress_bar("train", total=total, completed=resumed, enabled=main) as update:
-        trainer.tracker = ProgressTracker(trainer.tracker, update, total)  # the bar moves on every logged update
+        trainer.tracker = NonFiniteGuard(ProgressTracker(trainer.tracker, update, total),  # bar moves every update
+                                         paths.checkpoints, lambda: next(reversed(list_checkpoints(paths.checkpoints)), None))
         trainer.train()
     trainer.save_pretrained(paths.policy, tokenizer)  # every rank joins (sharded weights are gathered)
     if not main:
