@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from cli.models import app as models_app
+from cli.params import app as params_app
 
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -266,6 +267,7 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
 
 
 app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
+app.add_typer(params_app, name="params")  # rlhf params diff | reset (params.yaml against the committed one)
 
 
 def main() -> None:

@@ -526,3 +526,16 @@ def test_the_evaluation_artifact_shows_gold_scores_where_the_world_has_them(tmp_
     (tmp_path / "reports" / "eval" / "completions.jsonl").write_text(json.dumps(row) + "\n")
     text = evaluation(tmp_path)
     assert "| prompt | policy | reference | rm | ref_rm | gold | ref_gold |" in text and "| 0.8 | 0.2 |" in text, text
+
+
+def test_params_diff_and_reset(failing_repo, monkeypatch):
+    monkeypatch.chdir(failing_repo)
+    runner = CliRunner()
+    assert "params.yaml is as committed" in runner.invoke(app, ["params", "diff"]).output
+    path = failing_repo / "params.yaml"
+    committed = path.read_text()
+    path.write_text(committed.replace("seed: 0", "seed: 5"))
+    assert "base.seed: 0 -> 5" in runner.invoke(app, ["params", "diff"]).output
+    reset = runner.invoke(app, ["params", "reset"])
+    assert reset.exit_code == 0 and "dropped:" in reset.output and "base.seed: 0 -> 5" in reset.output
+    assert path.read_text() == committed
