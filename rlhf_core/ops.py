@@ -182,15 +182,27 @@ def truncate_after_stop(responses: torch.Tensor, stop_token_id: int, pad_token_i
 # ---------------------------------------------------------------------------------------------
 
 
+CHUNK_BYTES = 64 * 2**20
+"""Extra memory the log-prob and entropy helpers may use at once: rows of the batch go through in chunks of at
+most this many bytes of (rows, T, V) floats. One chunk holds a whole small-vocabulary micro-batch (one kernel
+per op instead of one per row: on tiny models the per-op overhead is the cost), and a few rows of a 50k vocab."""
+
+
+def _row_chunks(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`logits` (B, T, V) split along B into chunks of at most CHUNK_BYTES (at least one row each)."""
+    row_bytes = logits[0].numel() * max(logits.element_size(), 4)  # softmax and friends work in fp32 at least
+    return logits.split(max(1, CHUNK_BYTES // max(row_bytes, 1)))
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """log softmax(logits) gathered at ``index``, without materializing the full (B, T, V) log-probs.
 
         out[b, t] = logits[b, t, index[b, t]] - logsumexp_v(logits[b, t, v])
 
-    fp32 / fp64: gather the selected logits and subtract a logsumexp computed one row at a time,
-    so the peak extra memory is one (T, V) row instead of a (B, T, V) copy.
-    bf16 / fp16: ``logits - logsumexp`` loses precision in low-precision dtypes, so each row goes
-    through ``log_softmax`` (as TRL does); the extra memory is still one row.
+    fp32 / fp64: gather the selected logits and subtract a logsumexp computed chunk by chunk of rows,
+    so the peak extra memory is one chunk (CHUNK_BYTES) instead of a (B, T, V) copy.
+    bf16 / fp16: ``logits - logsumexp`` loses precision in low-precision dtypes, so each chunk goes
+    through ``log_softmax`` (as TRL does); the extra memory is still one chunk.
 
     Args:
         logits: (B, T, V) floating tensor (already divided by the sampling temperature, if any).
@@ -204,13 +216,14 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
     )
     if logits.dtype in (torch.float32, torch.float64):
         selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        logsumexp = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])  # (B, T), row by row
+        logsumexp = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in _row_chunks(logits)])  # (B, T)
         return selected - logsumexp  # (B, T)
-    rows = []
-    for row_logits, row_index in zip(logits, index, strict=True):  # (T, V), (T,)
-        row_logps = F.log_softmax(row_logits, dim=-1)  # (T, V)
-        rows.append(row_logps.gather(dim=-1, index=row_index.unsqueeze(-1)).squeeze(-1))  # (T,)
-    return torch.stack(rows)  # (B, T)
+    chunks = _row_chunks(logits)
+    out = []
+    for chunk_logits, chunk_index in zip(chunks, index.split([len(c) for c in chunks]), strict=True):
+        chunk_logps = F.log_softmax(chunk_logits, dim=-1)  # (b, T, V)
+        out.append(chunk_logps.gather(dim=-1, index=chunk_index.unsqueeze(-1)).squeeze(-1))  # (b, T)
+    return torch.cat(out)  # (B, T)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -220,7 +233,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
     The second form never takes the log of a probability, so it stays finite when some p_v
     underflow to 0; -inf logits (e.g. from top-k masking) are fine as long as one logit per
-    position is finite. Rows of the batch are processed one at a time to bound peak memory.
+    position is finite. Rows go through in chunks of at most CHUNK_BYTES to bound peak memory.
 
     Args:
         logits: (B, T, V) floating tensor.
@@ -229,14 +242,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         (B, T) entropies in nats.
     """
     assert logits.dim() >= 2, f"logits must be (B, T, V), got shape {tuple(logits.shape)}"
-    rows = []
-    for row_logits in logits:  # (T, V); one row at a time bounds the extra memory to (T, V) tensors
-        probs = torch.softmax(row_logits, dim=-1)  # (T, V)
+    out = []
+    for chunk in _row_chunks(logits):  # (b, T, V)
+        probs = torch.softmax(chunk, dim=-1)
         # where p == 0 (a -inf or underflowed logit) the term p * logit is 0; zeroing the logit
         # avoids 0 * -inf = NaN in the forward and in the gradient
-        safe_logits = row_logits.masked_fill(probs == 0, 0.0)  # (T, V)
-        rows.append(torch.logsumexp(row_logits, dim=-1) - (probs * safe_logits).sum(dim=-1))  # (T,)
-    return torch.stack(rows)  # (B, T)
+        safe_logits = chunk.masked_fill(probs == 0, 0.0)
+        out.append(torch.logsumexp(chunk, dim=-1) - (probs * safe_logits).sum(dim=-1))  # (b, T)
+    return torch.cat(out)  # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------

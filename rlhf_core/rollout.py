@@ -99,9 +99,10 @@ def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Ten
     queries, query_mask, responses, response_mask = _parts(batch)
     input_ids = torch.cat([queries, responses], dim=1)  # (B, P+R)
     mask = torch.cat([query_mask, response_mask], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    P = queries.shape[1]
-    return logits[:, P - 1:-1].float() / temperature  # (B, R, V)
+    # the LM head on the R + 1 last positions only: the prompt's logits would be a (B, P, V) matmul for nothing
+    logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
+                   logits_to_keep=responses.shape[1] + 1).logits  # (B, R + 1, V)
+    return logits[:, :-1].float() / temperature  # (B, R, V)
 
 
 def _parts(batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

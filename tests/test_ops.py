@@ -490,3 +490,29 @@ def test_global_statistics_on_one_process_equal_the_local_ones():
     assert torch.equal(masked_mean(values, mask, reduce=same), masked_mean(values, mask))
     assert torch.equal(masked_var(values, mask, reduce=same), masked_var(values, mask))
     assert torch.equal(masked_whiten(values, mask, reduce=same), masked_whiten(values, mask))
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 2, B])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_probs_and_entropy_are_the_same_whatever_the_chunking(monkeypatch, rows_per_chunk, dtype):
+    """The memory bound splits the batch into chunks of rows (one, a few, or all at once): same values and
+    gradients as the naive references."""
+    import rlhf_core.ops as ops
+
+    monkeypatch.setattr(ops, "CHUNK_BYTES", rows_per_chunk * T * V * 4)
+    assert len(ops._row_chunks(torch.zeros(B, T, V))) == -(-B // rows_per_chunk)
+    logits = (3.0 * _randn(B, T, V, seed=17)).to(dtype).requires_grad_()
+    index = torch.randint(0, V, (B, T), generator=_gen(18))
+    logps = selective_log_softmax(logits, index)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(logps.double(), _naive_log_softmax_at(logits.detach(), index), **tolerance)
+    entropy = entropy_from_logits(logits.detach())
+    if dtype == torch.float32:
+        torch.testing.assert_close(entropy.double(), _naive_entropy(logits.detach()), **tolerance)
+    else:  # bf16 softmax is coarse (the trainer passes fp32 logits): the chunking alone must change nothing
+        monkeypatch.setattr(ops, "CHUNK_BYTES", B * T * V * 4)
+        torch.testing.assert_close(entropy, entropy_from_logits(logits.detach()))
+    logps.float().sum().backward()
+    expected = torch.softmax(logits.detach().float(), -1).neg()
+    expected.scatter_add_(-1, index.unsqueeze(-1), torch.ones(B, T, 1))
+    torch.testing.assert_close(logits.grad.float(), expected, **tolerance)
