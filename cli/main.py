@@ -132,6 +132,7 @@ def run(profile: Profile = None, overrides: Overrides = None,
     except ParamsError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    _say_local_edits(root)
     use_local_prefect(root)
     quiet_libraries()
     from flows import interrupt
@@ -151,6 +152,16 @@ def run(profile: Profile = None, overrides: Overrides = None,
         typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
         raise typer.Exit(1)
     print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
+
+
+def _say_local_edits(root) -> None:
+    """Up front: a params.yaml edited since the last commit is what this run uses (not the committed one)."""
+    from flows.overrides import describe, local_edits
+
+    edits = local_edits(root)
+    if edits:
+        typer.echo(f"note: params.yaml differs from the committed one and this run uses it: {describe(edits)} "
+                   "(`rlhf params diff`, `rlhf params reset`)", err=True)
 
 
 def _registry_line(root) -> str | None:

@@ -125,8 +125,10 @@ def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
         logger.warning("%s", restored)
     edits = local_edits(root)
     if edits:
-        logger.warning("params.yaml differs from the committed one (git HEAD), and this run uses it: %s",
-                       describe(edits))
+        # in the UI's log; `rlhf run` has said so on the terminal before Prefect started
+        ui_only = logging.LoggerAdapter(logging.getLogger(UI_ONLY_LOGGER), logger.extra)
+        ui_only.warning("params.yaml differs from the committed one (git HEAD), and this run uses it: %s",
+                        describe(edits))
     with overrides_applied(root, profile, overrides) as changes:  # ParamsError before anything is written
         if changes:
             logger.info("params.yaml for this run only (restored after it): %s", describe(changes))

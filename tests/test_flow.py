@@ -28,7 +28,7 @@ from test_dvc import sh
 from test_pipeline import TINY
 from typer.testing import CliRunner
 
-from cli.main import app
+from cli.main import _say_local_edits, app
 from flows.dvc_repro import clean_lines, is_transient, log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import (
@@ -528,7 +528,7 @@ def test_the_evaluation_artifact_shows_gold_scores_where_the_world_has_them(tmp_
     assert "| prompt | policy | reference | rm | ref_rm | gold | ref_gold |" in text and "| 0.8 | 0.2 |" in text, text
 
 
-def test_params_diff_and_reset(failing_repo, monkeypatch):
+def test_params_diff_and_reset(failing_repo, monkeypatch, capsys):
     monkeypatch.chdir(failing_repo)
     runner = CliRunner()
     assert "params.yaml is as committed" in runner.invoke(app, ["params", "diff"]).output
@@ -536,6 +536,9 @@ def test_params_diff_and_reset(failing_repo, monkeypatch):
     committed = path.read_text()
     path.write_text(committed.replace("seed: 0", "seed: 5"))
     assert "base.seed: 0 -> 5" in runner.invoke(app, ["params", "diff"]).output
+    _say_local_edits(failing_repo)  # what `rlhf run` says before Prefect starts
+    assert "note: params.yaml differs from the committed one and this run uses it: base.seed 0 -> 5" in \
+        capsys.readouterr().err
     reset = runner.invoke(app, ["params", "reset"])
     assert reset.exit_code == 0 and "dropped:" in reset.output and "base.seed: 0 -> 5" in reset.output
     assert path.read_text() == committed
