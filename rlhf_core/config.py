@@ -86,6 +86,16 @@ class RLConfig(_Frozen):
     """Maximum new tokens per completion."""
     temperature: float = Field(0.7, gt=0.0)
     """Sampling temperature; the same scaling divides the logits when log-probs are recomputed."""
+    top_k: int = Field(0, ge=0)
+    """Sample from the k most likely tokens only; 0 disables. Any truncation (top_k, top_p, min_p,
+    repetition_penalty) makes the sampling distribution differ from the policy whose log-probs the loss
+    uses: the ratio is then off-policy by the truncation (as in TRL). Pure sampling is the default."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: the smallest set of tokens with this total probability; 1.0 disables."""
+    min_p: float | None = Field(None, gt=0.0, lt=1.0)
+    """Drop tokens below min_p times the top token's probability; None disables."""
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    """Divide the logits of tokens already in the sequence by this (CTRL); 1.0 disables."""
     stop_token: Literal["eos"] | None = "eos"
     """Truncate completions after this token ('eos') or never (None)."""
     missing_eos_penalty: float | None = Field(1.0, ge=0.0)
@@ -97,7 +107,20 @@ class RLConfig(_Frozen):
     kl_estimator: Literal["k1", "k3"] = "k1"
     """Per-token KL estimator (Schulman): k1 = log p - log q, k3 = (r - 1) - log r."""
     cliprange: float = Field(0.2, gt=0.0)
-    """PPO clip range of the policy ratio."""
+    """Clip range epsilon of the policy ratio: [1 - cliprange, 1 + cliprange] (TRL RLOO: `epsilon`)."""
+    epsilon_high: float | None = Field(None, gt=0.0)
+    """Upper clip range (clip-higher, DAPO; TRL's name): the ratio is clipped to [1 - cliprange, 1 +
+    epsilon_high]; None: cliprange. Logged: clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean."""
+    mask_truncated_completions: bool = False
+    """Leave completions that never emitted the stop token out of the loss (they are still scored and
+    count in the baselines and statistics); combines with or replaces missing_eos_penalty."""
+    sync_ref_model: bool = False
+    """Let the reference follow the policy (TR-DPO): every ref_model_sync_steps optimizer steps,
+    reference <- ref_model_mixup_alpha * policy + (1 - alpha) * reference."""
+    ref_model_mixup_alpha: float = Field(0.6, gt=0.0, le=1.0)
+    """Weight of the policy in the reference update (1.0 copies the policy)."""
+    ref_model_sync_steps: int = Field(512, gt=0)
+    """Optimizer steps between reference updates."""
     whiten_advantages: bool = True
     """Whiten PPO's per-token advantages over the rollout batch (RLOO: see rloo.normalize_advantage)."""
 
@@ -124,11 +147,57 @@ class RLConfig(_Frozen):
     ppo: PPOOptions = PPOOptions()
     rloo: RLOOOptions = RLOOOptions()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_names(cls, data):
+        """TRL's generation-reuse names, mapped onto the batch hierarchy: `num_iterations` (passes over one
+        generation) is num_epochs; `steps_per_generation` (micro-steps per generation, TRL counts micro-batches)
+        is gradient_accumulation_steps * num_mini_batches."""
+        if not isinstance(data, dict) or not {"num_iterations", "steps_per_generation"} & data.keys():
+            return data
+        data = dict(data)
+        if (iterations := data.pop("num_iterations", None)) is not None:
+            if data.get("num_epochs", iterations) != iterations:
+                raise ValueError(f"num_iterations={iterations} and num_epochs={data['num_epochs']} name the same "
+                                 "thing (passes over one generation); set one")
+            data["num_epochs"] = iterations
+        if (steps := data.pop("steps_per_generation", None)) is not None:
+            accumulation = data.get("gradient_accumulation_steps",
+                                    cls.model_fields["gradient_accumulation_steps"].default)
+            if not isinstance(steps, int) or steps <= 0 or steps % accumulation:
+                raise ValueError(f"steps_per_generation={steps!r} must be a positive multiple of "
+                                 f"gradient_accumulation_steps={accumulation} (each optimizer step takes that "
+                                 "many micro-batches of one generation)")
+            mini_batches = steps // accumulation
+            if data.get("num_mini_batches", mini_batches) != mini_batches:
+                raise ValueError(f"steps_per_generation={steps} means num_mini_batches={mini_batches}, but "
+                                 f"num_mini_batches={data['num_mini_batches']} is set; set one")
+            data["num_mini_batches"] = mini_batches
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
         if self.algo == "ppo" and self.ppo.whiten_rewards and self.ppo.gamma == 0:
             raise ValueError("ppo.whiten_rewards with ppo.gamma=0 leaves nothing to whiten")
+        if self.sync_ref_model and self.kl_coef == 0:
+            raise ValueError("sync_ref_model with kl_coef=0: the reference is not used, there is nothing to sync")
         return self
+
+    @property
+    def steps_per_generation(self) -> int:
+        """TRL's name: micro-batches per process taken from one generation per pass."""
+        return self.gradient_accumulation_steps * self.num_mini_batches
+
+    @property
+    def num_iterations(self) -> int:
+        """TRL's name for num_epochs."""
+        return self.num_epochs
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """Whether sampling departs from the policy's own distribution (see top_k)."""
+        return (self.top_k > 0 or self.top_p < 1.0 or self.min_p is not None
+                or self.repetition_penalty != 1.0)
 
     @property
     def samples_per_prompt(self) -> int:

@@ -18,7 +18,7 @@ References:
       https://arxiv.org/abs/2403.17031 (summarize_from_feedback_details)
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -47,15 +47,16 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
         reduce: with dim None, sums the numerator and denominator across processes (a global mean).
 
     Returns:
-        scalar tensor, or ``values`` with ``dim`` reduced. An all-zero mask gives NaN (0/0); no
-        check is made here so that the function never syncs with the device.
+        scalar tensor, or ``values`` with ``dim`` reduced. The scalar mean of an all-zero mask is 0 (a
+        micro-batch with nothing in the loss gives a zero loss and zero gradients, not NaN); along ``dim``
+        an all-zero slice gives NaN (0/0). No check syncs with the device.
     """
     assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
     mask = mask.to(values.dtype)  # bool -> float so that multiplication and sums are in values' dtype
-    if dim is None:
+    if dim is None:  # a 0/1 mask sums to 0 or at least 1: the clamp changes only the empty case
         if reduce is not None:
-            return reduce((values * mask).sum()) / reduce(mask.sum())
-        return (values * mask).sum() / mask.sum()
+            return reduce((values * mask).sum()) / reduce(mask.sum()).clamp(min=1)
+        return (values * mask).sum() / mask.sum().clamp(min=1)
     assert reduce is None, "a global mean is over all elements (dim=None)"
     return (values * mask).sum(dim) / mask.sum(dim)
 
@@ -363,12 +364,16 @@ def ppo_policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float,
+    cliprange_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate policy loss (to minimize).
 
         ratio    = exp(logprobs - old_logprobs)
-        loss     = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps)), mask)
-        clipfrac = masked_mean(-A * clamp(ratio, 1 - eps, 1 + eps) > -A * ratio, mask)
+        loss     = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps_high)), mask)
+        clipfrac = masked_mean(-A * clamp(ratio, 1 - eps, 1 + eps_high) > -A * ratio, mask)
+
+    ``eps_high`` = ``cliprange_high`` (DAPO's clip-higher, TRL's ``epsilon_high``), ``cliprange`` when None:
+    a larger upper bound lets tokens with a positive advantage gain more probability per update.
 
     ``old_logprobs`` and ``advantages`` are treated as constants (detached).
 
@@ -379,6 +384,7 @@ def ppo_policy_loss(
         advantages: (B, T) advantages (already whitened, if desired).
         mask: (B, T) bool or 0/1 float; True at real response tokens.
         cliprange: epsilon, e.g. 0.2.
+        cliprange_high: the upper epsilon, e.g. 0.28; None for the symmetric clip.
 
     Returns:
         (loss, clipfrac): scalar tensors; ``loss`` keeps the graph w.r.t. ``logprobs``,
@@ -391,11 +397,45 @@ def ppo_policy_loss(
     old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
     pg_losses = -advantages * ratio  # (B, T)
-    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)  # (B, T)
+    high = cliprange if cliprange_high is None else cliprange_high
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)  # (B, T)
     # pessimistic bound: the max of the two losses = the min of the two surrogate objectives
     loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)  # scalar
     clipfrac = masked_mean((pg_losses_clipped > pg_losses).to(pg_losses.dtype), mask).detach()  # scalar
     return loss, clipfrac
+
+
+def clip_ratios(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float,
+                cliprange_high: float | None = None) -> dict[str, torch.Tensor]:
+    """How often the clip bound, not the ratio, set the loss, by side (TRL's `clip_ratio/*` metrics):
+
+        low    = masked_mean(ratio < 1 - eps and A < 0)        the ratio fell below the lower bound
+        high   = masked_mean(ratio > 1 + eps_high and A > 0)   the ratio rose above the upper bound
+        region = masked_mean(low or high)
+
+    Args:
+        ratio, advantages, mask: (B, T) (or (B, 1) per sequence), as in `ppo_policy_loss`.
+
+    Returns:
+        {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}: scalars, no grad.
+    """
+    ratio, advantages = ratio.detach(), advantages.detach()
+    high = cliprange if cliprange_high is None else cliprange_high
+    is_low = (ratio < 1.0 - cliprange) & (advantages < 0)
+    is_high = (ratio > 1.0 + high) & (advantages > 0)
+    return {"clip_ratio/low_mean": masked_mean(is_low.float(), mask),
+            "clip_ratio/high_mean": masked_mean(is_high.float(), mask),
+            "clip_ratio/region_mean": masked_mean((is_low | is_high).float(), mask)}
+
+
+def mix_into(target: Iterable[torch.Tensor], source: Iterable[torch.Tensor], alpha: float) -> None:
+    """In place, parameter by parameter: target <- alpha * source + (1 - alpha) * target (TR-DPO's soft
+    reference update; alpha = 1 copies). Each target keeps its dtype; the mix is computed in fp32."""
+    with torch.no_grad():
+        for t, s in zip(target, source, strict=True):
+            assert t.shape == s.shape, f"reference {tuple(t.shape)} and policy {tuple(s.shape)} differ"
+            mixed = alpha * s.detach().float() + (1.0 - alpha) * t.float()
+            t.copy_(mixed.to(t.dtype))
 
 
 def ppo_value_loss(

@@ -62,18 +62,20 @@ def compute_advantages(batch: Rollout, cfg: RLConfig,
 
 
 def loss_units(batch: Rollout) -> Tensor:
-    """Units the loss averages over, per episode (B,): response tokens."""
-    return batch.response_mask.sum(1)
+    """Units the loss averages over, per episode (B,): response tokens (none for an episode left out)."""
+    return batch.loss_mask.sum(1)
 
 
 def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy loss + vf_coef * clipped value loss, token-averaged over the micro-batch."""
-    mask = mb.response_mask
-    pg_loss, pg_clipfrac = ops.ppo_policy_loss(out.logprobs, mb.logprobs, mb.advantages, mask, cfg.cliprange)
+    mask = mb.loss_mask
+    pg_loss, pg_clipfrac = ops.ppo_policy_loss(out.logprobs, mb.logprobs, mb.advantages, mask, cfg.cliprange,
+                                               cfg.epsilon_high)
     vf_loss, vf_clipfrac = ops.ppo_value_loss(out.values, mb.values, mb.returns, mask, cfg.ppo.cliprange_value)
     with torch.no_grad():
         logratio = out.logprobs - mb.logprobs
         stats = {
+            **ops.clip_ratios(logratio.exp(), mb.advantages, mask, cfg.cliprange, cfg.epsilon_high),
             "policy/approxkl_avg": 0.5 * ops.masked_mean(logratio**2, mask),
             "policy/clipfrac_avg": pg_clipfrac,
             "policy/entropy_avg": ops.masked_mean(out.entropy, mask),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import get_scheduler
 
@@ -42,6 +44,9 @@ from rlhf_core.scoring import Scorer
 from rlhf_core.tracking import NullTracker, Tracker
 
 ALGORITHMS = {"ppo": ppo, "rloo": rloo}
+REFERENCE_FILE = "reference.safetensors"
+"""In a checkpoint of a run with sync_ref_model: the reference as it has followed the policy."""
+logger = logging.getLogger(__name__)
 
 UpdateHook = Callable[["RLTrainer", Rollout, dict[str, Tensor]], None]
 """Called on the main process after each update with the trainer, the update's filled rollout batch (this
@@ -117,6 +122,13 @@ class RLTrainer:
             if model is not None:
                 disable_dropout(model)  # dropout would make rollout and training log-probs disagree
         self.ref_policy = self._frozen_reference(policy, ref_policy, device)
+        if cfg.sync_ref_model and self.ref_policy is None:
+            raise ValueError("sync_ref_model needs a reference model of its own; with LoRA the reference is the "
+                             "base model with the adapter off, which cannot follow the policy")
+        if cfg.truncated_sampling:
+            logger.warning("top_k/top_p/min_p/repetition_penalty: completions are sampled from a truncated "
+                           "distribution while the loss uses the policy's full one, so the importance ratio is "
+                           "off-policy by the truncation (as in TRL); leave them at their defaults for exact PPO")
         model = PolicyAndValue(policy, None if not self.algo.USES_VALUE_MODEL else value_model)
         deepspeed = self.accelerator.state.deepspeed_plugin
         # one fused kernel for the whole AdamW step, CPU or GPU: a per-tensor step is ~10 small ops per
@@ -211,7 +223,8 @@ class RLTrainer:
         model, cfg = self.unwrapped, self.cfg
         responses = sample_responses(model.policy, queries, query_mask, response_length=cfg.response_length,
                                      temperature=cfg.temperature, pad_token_id=self.pad_token_id,
-                                     stop_token_id=self.stop_token_id)  # (b, R)
+                                     stop_token_id=self.stop_token_id, top_k=cfg.top_k, top_p=cfg.top_p,
+                                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)  # (b, R)
         if self.stop_token_id is not None:
             responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
         response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
@@ -236,7 +249,8 @@ class RLTrainer:
             scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
         if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
             scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
-        return replace(batch, scores=scores)
+        in_loss = batch.contains_stop if self.cfg.mask_truncated_completions else None
+        return replace(batch, scores=scores, in_loss=in_loss)
 
     def compute_advantages(self, batch: Rollout) -> tuple[Rollout, dict[str, Tensor]]:
         """The algorithm's advantages; whitening and normalization over the global batch (all processes)."""
@@ -255,10 +269,12 @@ class RLTrainer:
         units = self.algo.loss_units(batch).float()  # (B,)
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.update)
         self.model.train()
+        optimizer_steps = self.state.update * cfg.num_epochs * cfg.num_mini_batches  # before this update
         for _ in range(cfg.num_epochs):
             order = torch.randperm(len(batch), generator=generator).to(batch.queries.device)
             for mini in order.split(plan.local_mini_batch_size):
-                mini_units = acc.reduce(units[mini].sum(), reduction="sum")  # all processes' units
+                # all processes' units (at least 1: a mini-batch of left-out episodes gives zero gradients)
+                mini_units = acc.reduce(units[mini].sum(), reduction="sum").clamp(min=1)
                 for micro in mini.split(plan.micro_batch_size):
                     with acc.accumulate(self.model):
                         mb = batch[micro]
@@ -275,6 +291,8 @@ class RLTrainer:
                             self.optimizer.step()
                             self.scheduler.step()
                             self.optimizer.zero_grad()
+                            optimizer_steps += 1
+                            self._sync_reference(optimizer_steps)
                         metrics.add_all(stats)
 
     def log(self, batch: Rollout, episode_stats: dict[str, Tensor], metrics: MetricAccumulator, *,
@@ -296,6 +314,14 @@ class RLTrainer:
             self.tracker.log_metrics(logs, step=self.state.update)
         return logs
 
+    def _sync_reference(self, optimizer_steps: int) -> None:
+        """TR-DPO's soft update after every `ref_model_sync_steps`-th optimizer step (counted over the run)."""
+        cfg = self.cfg
+        if not cfg.sync_ref_model or optimizer_steps % cfg.ref_model_sync_steps:
+            return
+        with self._whole_weights():  # ZeRO-3: every rank mixes the whole policy into its whole reference
+            ops.mix_into(self.ref_policy.parameters(), self.unwrapped.policy.parameters(), cfg.ref_model_mixup_alpha)
+
     # ------------------------------------------------------------------ checkpoints
 
     def _checkpoint_due(self) -> bool:
@@ -315,6 +341,9 @@ class RLTrainer:
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)  # model, optimizer, scheduler, RNG states
         if acc.is_main_process:
+            if self.cfg.sync_ref_model:  # the reference has moved: resuming from the initial one would differ
+                save_file({k: v.contiguous() for k, v in self.ref_policy.state_dict().items()},
+                          tmp / REFERENCE_FILE)
             self.state.sampler = self.sampler.state_dict()
             meta = {"trainer": asdict(self.state), "config": self.cfg.model_dump(mode="json")}
             (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2))
@@ -340,6 +369,8 @@ class RLTrainer:
                 raise ValueError(f"checkpoint {path} was made with {key}={getattr(saved, key)!r}, "
                                  f"this run has {key}={getattr(self.cfg, key)!r}")
         self.accelerator.load_state(str(path))
+        if self.cfg.sync_ref_model:
+            self.ref_policy.load_state_dict(load_file(path / REFERENCE_FILE, device=str(self.accelerator.device)))
         self.state = TrainerState(**meta["trainer"])
         self.sampler.load_state_dict(self.state.sampler)
 

@@ -78,24 +78,29 @@ def compute_advantages(batch: Rollout, cfg: RLConfig,
 
 
 def loss_units(batch: Rollout) -> Tensor:
-    """Units the loss averages over, per episode (B,): one per sequence, or response tokens."""
+    """Units the loss averages over, per episode (B,): one per sequence, or response tokens (none for an
+    episode left out of the loss)."""
     if batch.advantages.shape[1] == 1:
-        return torch.ones(len(batch), dtype=torch.long, device=batch.queries.device)
-    return batch.response_mask.sum(1)
+        if batch.in_loss is None:
+            return torch.ones(len(batch), dtype=torch.long, device=batch.queries.device)
+        return batch.in_loss.long()
+    return batch.loss_mask.sum(1)
 
 
 def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped REINFORCE loss with the leave-one-out advantage (sequence- or token-level ratio)."""
-    mask = mb.response_mask
+    mask = mb.loss_mask
     if mb.advantages.shape[1] == 1:  # sequence level: ratio of summed log-probs
         new, old = (out.logprobs * mask).sum(1, keepdim=True), (mb.logprobs * mask).sum(1, keepdim=True)
-        unit_mask = torch.ones_like(new, dtype=torch.bool)  # (B, 1)
+        unit_mask = (torch.ones_like(new, dtype=torch.bool) if mb.in_loss is None
+                     else mb.in_loss[:, None])  # (B, 1)
     else:
         new, old, unit_mask = out.logprobs, mb.logprobs, mask
-    pg_loss, pg_clipfrac = ops.ppo_policy_loss(new, old, mb.advantages, unit_mask, cfg.cliprange)
+    pg_loss, pg_clipfrac = ops.ppo_policy_loss(new, old, mb.advantages, unit_mask, cfg.cliprange, cfg.epsilon_high)
     with torch.no_grad():
         logratio = new - old
         stats = {
+            **ops.clip_ratios(logratio.exp(), mb.advantages, unit_mask, cfg.cliprange, cfg.epsilon_high),
             "policy/approxkl_avg": 0.5 * ops.masked_mean(logratio**2, unit_mask),
             "policy/clipfrac_avg": pg_clipfrac,
             "policy/entropy_avg": ops.masked_mean(out.entropy, mask),

@@ -40,6 +40,7 @@ class Rollout:
     rewards: Tensor | None = None  # (B, R) per-token rewards (PPO, token-level RLOO)
     advantages: Tensor | None = None  # (B, R) or (B, 1) for sequence-level RLOO
     returns: Tensor | None = None  # (B, R) value targets (PPO)
+    in_loss: Tensor | None = None  # (B,) bool, episodes the loss trains on (mask_truncated_completions); None: all
 
     @property
     def context_length(self) -> int:
@@ -48,6 +49,10 @@ class Rollout:
     @property
     def response_lengths(self) -> Tensor:  # (B,)
         return self.response_mask.sum(1)
+
+    @property
+    def loss_mask(self) -> Tensor:  # (B, R) bool, the response tokens the loss averages over
+        return self.response_mask if self.in_loss is None else self.response_mask & self.in_loss[:, None]
 
     @property
     def input_ids(self) -> Tensor:  # (B, P + R)
@@ -143,15 +148,18 @@ def token_values(value_model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, 
 
 @torch.no_grad()
 def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int,
-                     temperature: float, pad_token_id: int, stop_token_id: int | None) -> Tensor:
+                     temperature: float, pad_token_id: int, stop_token_id: int | None, top_k: int = 0,
+                     top_p: float = 1.0, min_p: float | None = None, repetition_penalty: float = 1.0) -> Tensor:
     """Sample (B, R) responses with the KV cache; rows that stopped early are padded to R.
 
-    Pure sampling from softmax(logits / T): top_k 0 and top_p 1 disable truncation, so the
-    log-probs recomputed in training describe exactly the distribution that was sampled.
+    By default pure sampling from softmax(logits / T): top_k 0 and top_p 1 disable truncation, so the
+    log-probs recomputed in training describe exactly the distribution that was sampled. The truncations
+    (top_k, top_p, min_p, repetition_penalty) are the user's choice, with the off-policy ratio they bring.
     """
     config = GenerationConfig(
-        max_new_tokens=response_length, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-        pad_token_id=pad_token_id, eos_token_id=stop_token_id, use_cache=True,
+        max_new_tokens=response_length, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, repetition_penalty=repetition_penalty, pad_token_id=pad_token_id,
+        eos_token_id=stop_token_id, use_cache=True,
     )
     out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config)
     responses = out[:, queries.shape[1]:]  # (B, <=R)
