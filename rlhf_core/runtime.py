@@ -51,9 +51,41 @@ def check(cfg: RuntimeConfig) -> None:
                                 "(pip install flash-attn --no-build-isolation); 'sdpa' needs nothing")
         if device != "cuda":
             raise RuntimeSettingError("runtime.attn_implementation flash_attention_2 runs on CUDA only; use 'sdpa'")
-    if cfg.accelerate_config is not None and not Path(cfg.accelerate_config).is_file():
-        raise RuntimeSettingError(f"runtime.accelerate_config {cfg.accelerate_config}: no such file; the configs "
-                            "shipped are infra/accelerate/*.yaml")
+    if cfg.accelerate_config is not None:
+        if not Path(cfg.accelerate_config).is_file():
+            raise RuntimeSettingError(f"runtime.accelerate_config {cfg.accelerate_config}: no such file; the "
+                                      "configs shipped are infra/accelerate/*.yaml")
+        check_fp16_loss_scaling(cfg)
+
+
+def check_fp16_loss_scaling(cfg: RuntimeConfig) -> None:
+    """fp16 under DeepSpeed ZeRO-3 trains only with loss scaling (fp16 gradients underflow without it):
+    refuse a DeepSpeed JSON that disables fp16 or fixes the loss scale at 1 while the launch asks for fp16.
+    Without a JSON accelerate configures dynamic loss scaling itself."""
+    import json
+
+    import yaml
+
+    path = Path(cfg.accelerate_config)
+    try:
+        launch = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise RuntimeSettingError(f"runtime.accelerate_config {path}: not valid YAML ({error})") from None
+    deepspeed = launch.get("deepspeed_config") or {}
+    precision = launch.get("mixed_precision") or cfg.mixed_precision
+    ds_file = deepspeed.get("deepspeed_config_file")
+    if launch.get("distributed_type") != "DEEPSPEED" or precision != "fp16" or not ds_file:
+        return
+    ds_path = (path.parent / ds_file) if not Path(ds_file).is_absolute() else Path(ds_file)
+    if not ds_path.is_file():
+        raise RuntimeSettingError(f"{path}: deepspeed_config_file {ds_file}: no such file")
+    ds = json.loads(ds_path.read_text())
+    stage = (ds.get("zero_optimization") or {}).get("stage", deepspeed.get("zero_stage"))
+    fp16 = ds.get("fp16") or {}
+    if stage == 3 and (not fp16.get("enabled", False) or fp16.get("loss_scale", 0) == 1):
+        raise RuntimeSettingError(f"{ds_path}: fp16 under ZeRO-3 without loss scaling (fp16.enabled "
+                                  f"{fp16.get('enabled')}, loss_scale {fp16.get('loss_scale')}); set "
+                                  '"fp16": {"enabled": true, "loss_scale": 0} (dynamic) or use bf16')
 
 
 def _release_other_state(mixed_precision: str | None, cpu: bool) -> None:

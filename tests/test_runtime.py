@@ -9,7 +9,7 @@ from test_trainer import tiny_config
 from conftest import target_fraction
 from rlhf_core.config import RuntimeConfig
 from rlhf_core.rl_trainer import RLTrainer
-from rlhf_core.runtime import Runtime, RuntimeSettingError, check
+from rlhf_core.runtime import Runtime, RuntimeSettingError, check, check_fp16_loss_scaling
 from rlhf_core.scoring import FunctionScorer
 
 
@@ -58,3 +58,23 @@ def test_frozen_models_move_to_the_device_in_the_frozen_dtype(make_policy):
     assert {p.dtype for p in frozen.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in frozen.parameters()) and not frozen.training
     assert next(frozen.parameters()).device == runtime.device
+
+
+def test_fp16_under_zero3_without_loss_scaling_is_refused(tmp_path):
+    """A DeepSpeed JSON that leaves fp16 unscaled under ZeRO-3, with an fp16 launch: refused before any model."""
+    import json
+
+    launch = tmp_path / "zero3_fp16.yaml"
+    launch.write_text("distributed_type: DEEPSPEED\nmixed_precision: fp16\n"
+                      "deepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    for fp16, refused in (({"enabled": True, "loss_scale": 1}, True), ({"enabled": False}, True),
+                          ({"enabled": True, "loss_scale": 0}, False)):
+        (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}, "fp16": fp16}))
+        cfg = RuntimeConfig(device="auto", accelerate_config=str(launch))
+        if refused:
+            with pytest.raises(RuntimeSettingError, match="without loss scaling"):
+                check_fp16_loss_scaling(cfg)
+        else:
+            check_fp16_loss_scaling(cfg)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": False}}))
+    check_fp16_loss_scaling(RuntimeConfig(device="auto", accelerate_config=str(launch)))  # ZeRO-2: not this rule
