@@ -122,6 +122,10 @@ class RLTrainer:
             if model is not None:
                 disable_dropout(model)  # dropout would make rollout and training log-probs disagree
         self.ref_policy = self._frozen_reference(policy, ref_policy, device)
+        if cfg.sync_ref_model and self.accelerator.state.deepspeed_plugin is not None \
+                and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError("sync_ref_model is not supported under DeepSpeed ZeRO-3 yet (the reference is sharded "
+                             "across ranks); use ZeRO-2 (infra/accelerate/deepspeed_zero2.yaml)")
         if cfg.sync_ref_model and self.ref_policy is None:
             raise ValueError("sync_ref_model needs a reference model of its own; with LoRA the reference is the "
                              "base model with the adapter off, which cannot follow the policy")
@@ -340,6 +344,7 @@ class RLTrainer:
             tmp.mkdir(parents=True)  # before any rank writes its shard into it (DeepSpeed saves on every rank)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)  # model, optimizer, scheduler, RNG states
+        acc.wait_for_everyone()  # every rank's shard is written before the main process renames the directory
         if acc.is_main_process:
             if self.cfg.sync_ref_model:  # the reference has moved: resuming from the initial one would differ
                 save_file({k: v.contiguous() for k, v in self.ref_policy.state_dict().items()},

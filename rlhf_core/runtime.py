@@ -117,6 +117,7 @@ class Runtime:
             # Without a backend accelerate counts one process on a CPU DeepSpeed launch (it finds no GPU backend)
             # while DeepSpeed's group has them all: name gloo, and both agree on the world.
             PartialState(backend="gloo")
+        self._inference_engines: list[nn.Module] = []
         self.accelerator = Accelerator(mixed_precision=mixed, cpu=cpu,
                                        gradient_accumulation_steps=gradient_accumulation_steps,
                                        step_scheduler_with_optimizer=False)
@@ -178,9 +179,33 @@ class Runtime:
             plugin.set_deepspeed_weakref()
 
     def frozen(self, model: nn.Module) -> nn.Module:
-        """A model that is only evaluated: no dropout, no grad, on this device in the frozen dtype."""
+        """A model that is only evaluated: no dropout, no grad, on this device in the frozen dtype; under
+        DeepSpeed ZeRO-3 sharded over the ranks like the trained models (an inference engine)."""
         disable_dropout(model)
-        return model.to(device=self.device, dtype=self.frozen_dtype).eval().requires_grad_(False)
+        model = model.to(device=self.device, dtype=self.frozen_dtype).eval().requires_grad_(False)
+        return self._sharded_for_inference(model) if self.zero_stage == 3 else model
+
+    def _sharded_for_inference(self, model: nn.Module) -> nn.Module:
+        """A ZeRO-3 inference engine (no optimizer): each rank keeps 1/N of the weights and gathers a layer at a
+        time in each forward, so the reference and reward model cost no more memory per GPU than the trained
+        policy does. Every rank must run the same forwards: the trainer's equal local batches in equal chunks."""
+        import deepspeed
+
+        hidden = getattr(model.config, "hidden_size", 1024)
+        config = {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            # small tensors (norms, biases) stay whole on every rank; no prefetch: frozen forwards are few
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 10 * hidden,
+                                  "stage3_prefetch_bucket_size": 0},
+            "bf16": {"enabled": self.frozen_dtype == torch.bfloat16},
+            "fp16": {"enabled": self.frozen_dtype == torch.float16},
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        self._inference_engines.append(engine)  # alive as long as the runtime: its hooks gather the shards
+        # the model itself, its ZeRO-3 hooks installed: the engine's own attributes (config...) would shadow
+        # the model's for callers that read them
+        return engine.module
 
     def trainable(self, model: nn.Module) -> nn.Module:
         """A model to train: fp32 weights (autocast does the mixed precision), gradient checkpointing if set."""
