@@ -40,7 +40,7 @@ from rlhf_core.rollout import (
     stop_mask,
     token_values,
 )
-from rlhf_core.scoring import Scorer
+from rlhf_core.scoring import Scorer, WeightedScorer
 from rlhf_core.tracking import NullTracker, Tracker
 
 ALGORITHMS = {"ppo": ppo, "rloo": rloo}
@@ -172,7 +172,7 @@ class RLTrainer:
             with metrics.timer("time/rollout_s"):
                 batch = self.rollout(self.sampler.next_indices())
             with metrics.timer("time/score_s"):
-                batch = self.score(batch)
+                batch = self.score(batch, metrics)
             with metrics.timer("time/advantages_s"):
                 batch, episode_stats = self.compute_advantages(batch)
             with metrics.timer("time/update_s"):
@@ -247,10 +247,19 @@ class RLTrainer:
         logits = response_logits(policy, parts, self.cfg.temperature)  # (b, R, V)
         return ops.selective_log_softmax(logits, parts[2]) * parts[3]  # (b, R), 0 on padding
 
-    def score(self, batch: Rollout) -> Rollout:
-        """Score each completion; subtract the missing-EOS penalty from those that never stopped."""
+    def score(self, batch: Rollout, metrics: MetricAccumulator | None = None) -> Rollout:
+        """Score each completion; subtract the missing-EOS penalty from those that never stopped. A scorer with
+        several sources (`WeightedScorer`) has each source's scores logged as rewards/<name>/mean and /std."""
         with self.accelerator.autocast():
-            scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
+            if isinstance(self.scorer, WeightedScorer):
+                by_source = self.scorer.by_source(batch)
+                scores = self.scorer.combine(by_source).to(batch.queries.device).float()  # (B,)
+                if metrics is not None:
+                    for name, values in by_source.items():
+                        metrics.add_mean(f"rewards/{name}/mean", values.float())
+                        metrics.add(f"rewards/{name}/std", values.float().std(correction=0))  # per process
+            else:
+                scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
         if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
             scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
         in_loss = batch.contains_stop if self.cfg.mask_truncated_completions else None

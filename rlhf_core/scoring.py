@@ -94,12 +94,47 @@ class FunctionScorer:
 
 
 class WeightedScorer:
-    """sum_i w_i * scorer_i(batch)."""
+    """sum_i w_i * scorer_i(batch), each term named (TRL's reward_funcs + reward_weights): the trainer logs
+    every source's own scores as `rewards/<name>/mean` and `rewards/<name>/std`."""
 
-    def __init__(self, terms: Sequence[tuple[float, Scorer]]):
+    def __init__(self, terms: Sequence[tuple[float, Scorer]], names: Sequence[str] | None = None):
         if not terms:
             raise ValueError("WeightedScorer needs at least one (weight, scorer) term")
         self.terms = list(terms)
+        self.names = list(names) if names is not None else [f"source_{i}" for i in range(len(self.terms))]
+        if len(self.names) != len(self.terms) or len(set(self.names)) != len(self.names):
+            raise ValueError(f"WeightedScorer: {len(self.terms)} terms need as many distinct names, got {self.names}")
+
+    def by_source(self, batch: Rollout) -> dict[str, Tensor]:
+        """Each source's unweighted scores (B,), by name."""
+        return {name: scorer(batch) for name, (_, scorer) in zip(self.names, self.terms, strict=True)}
+
+    def combine(self, scores: dict[str, Tensor]) -> Tensor:
+        """The weighted sum of `by_source`'s scores (B,)."""
+        return sum(w * scores[name] for name, (w, _) in zip(self.names, self.terms, strict=True))
 
     def __call__(self, batch: Rollout) -> Tensor:
-        return sum(w * scorer(batch) for w, scorer in self.terms)
+        return self.combine(self.by_source(batch))
+
+
+def import_reward_function(path: str) -> RewardFn:
+    """The function at `path`, "package.module:function" (TRL's reward functions by import path), checked to
+    be callable; every failure names the path and what was expected."""
+    import importlib
+
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"reward function {path!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r} ({error})") from None
+    fn = module
+    for part in attribute.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"reward function {path!r}: module {module_name!r} has no {attribute!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"reward function {path!r}: {attribute!r} is a {type(fn).__name__}, not callable "
+                         "(expected fn(prompts, completions) -> floats)")
+    return fn

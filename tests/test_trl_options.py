@@ -242,3 +242,44 @@ def test_truncated_sampling_warns_about_the_ratio(caplog, tokenizer, prompts, ma
         make_trainer(tiny_config("rloo", total_episodes=32, top_p=0.9), tokenizer, prompts, make_policy,
                      make_scorer_model)
     assert "off-policy" in caplog.text
+
+
+# ------------------------------------------------------------------ reward functions
+
+
+def length_reward(prompts, completions):
+    """A reward function importable by path (this test module is on sys.path)."""
+    return [float(len(c.split())) for c in completions]
+
+
+NOT_CALLABLE = 3
+
+
+def test_reward_functions_by_import_path_and_their_errors():
+    from rlhf_core.scoring import import_reward_function
+
+    assert import_reward_function("test_trl_options:length_reward") is length_reward
+    for path, message in (("test_trl_options.length_reward", "expected 'package.module:function'"),
+                          ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+                          ("test_trl_options:missing", "has no 'missing'"),
+                          ("test_trl_options:NOT_CALLABLE", "is a int, not callable")):
+        with pytest.raises(ValueError, match=message):
+            import_reward_function(path)
+
+
+def test_each_reward_source_is_logged(tokenizer, prompts, make_policy, make_scorer_model):
+    from conftest import target_fraction
+    from rlhf_core.scoring import FunctionScorer, WeightedScorer
+
+    scorer = WeightedScorer([(1.0, FunctionScorer(target_fraction, tokenizer)),
+                             (0.5, FunctionScorer(length_reward, tokenizer))], names=["target", "length"])
+    cfg = tiny_config("rloo", total_episodes=32)
+    trainer = make_trainer(cfg, tokenizer, prompts, make_policy, make_scorer_model)
+    trainer.scorer = scorer
+    history = trainer.train()
+    first = history[0]
+    assert 0.0 < first["rewards/length/mean"] <= 8.0 and first["rewards/length/std"] >= 0.0  # words, 8 at most
+    assert 0.0 <= first["rewards/target/mean"] <= 1.0
+    assert first["objective/scores"] == pytest.approx(first["rewards/target/mean"] + 0.5 * first["rewards/length/mean"])
+    with pytest.raises(ValueError, match="distinct names"):
+        WeightedScorer([(1.0, scorer), (1.0, scorer)], names=["a", "a"])
