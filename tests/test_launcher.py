@@ -84,8 +84,9 @@ def test_train_stage_on_two_processes(workspace):
         assert proc.stdout.count('"num_processes"') == 1, "one result printed, by rank 0"
         metrics = json.loads((root / "metrics" / "train.json").read_text())
         assert metrics["num_processes"] == processes and metrics["episode"] == 128
-        history = [json.loads(line) for line in (root / "reports" / "train_history.jsonl").read_text().splitlines()]
-        assert [h["update"] for h in history] == [1, 2], "one line per update, written by one process"
+        log = [json.loads(line) for line in (root / "reports" / "execution" / "train_log.jsonl").read_text().splitlines()]
+        assert [h["update"] for h in log] == [1, 2], "one line per update, written by one process"
+        assert [h["update"] for h in json.loads((root / "metrics" / "train_history.json").read_text())] == [1, 2]
         policy = load_file(root / "models" / "policy" / "model.safetensors")
         assert policy.keys() == sft.keys() and all(torch.isfinite(v).all() for v in policy.values())
         assert any(not torch.equal(policy[k], sft[k]) for k in sft), "the policy was trained"
@@ -131,7 +132,8 @@ def test_sft_and_reward_model_stages_on_two_processes(workspace):
                               timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert (workspace / "models" / model / "model.safetensors").is_file()
-        assert json.loads((workspace / "metrics" / f"{metrics_file}.json").read_text())["train_seconds"] > 0
+        assert json.loads((workspace / "reports" / "execution" / f"{stage}.json").read_text())["train_seconds"] > 0
+        assert "train_seconds" not in json.loads((workspace / "metrics" / f"{metrics_file}.json").read_text())
     client = get_client(workspace)
     experiments = [e.experiment_id for e in client.search_experiments()]
     for stage in ("sft", "reward-model"):
@@ -151,8 +153,9 @@ def test_a_two_process_run_resumes_from_its_checkpoint(workspace):
     proc = stage_train(workspace, LAYOUTS[2])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     again = json.loads((workspace / "metrics" / "train.json").read_text())
-    assert again["resumed_from_update"] == 1 and again["num_processes"] == 2 and again["update"] == 2
-    history = (workspace / "reports" / "train_history.jsonl").read_text().splitlines()
+    assert again["num_processes"] == 2 and again["update"] == 2
+    assert json.loads((workspace / "reports" / "execution" / "train.json").read_text())["resumed_from_update"] == 1
+    history = (workspace / "reports" / "execution" / "train_log.jsonl").read_text().splitlines()
     assert [json.loads(line)["update"] for line in history] == [1, 2], "update 2 redone, logged once"
     assert again["objective/scores"] == pytest.approx(first["objective/scores"], abs=1e-6), \
         "the resumed update 2 is the same update 2 (sampler, RNG and optimizer state restored on every rank)"

@@ -67,7 +67,8 @@ def test_sigkill_after_a_checkpoint_then_rerun_resumes_to_the_same_policy(tmp_pa
     rerun = subprocess.run(train_command(), cwd=killed, env=env(), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     metrics = json.loads((killed / "metrics" / "train.json").read_text())
-    assert metrics["resumed_from_update"] >= 1 and metrics["update"] == 6, metrics
+    execution = json.loads((killed / "reports" / "execution" / "train.json").read_text())
+    assert execution["resumed_from_update"] >= 1 and metrics["update"] == 6, (metrics, execution)
     resumed, reference = (load_file(root / "models" / "policy" / "model.safetensors") for root in (killed, whole))
     assert resumed.keys() == reference.keys()
     for name, value in reference.items():

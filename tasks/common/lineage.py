@@ -35,8 +35,9 @@ def lineage_tags(root: str | Path, profile: str) -> dict[str, str]:
     """Git commit and dirty flag of the code, the profile, and the md5 of dvc.lock."""
     root = Path(root).resolve()
     commit = _git(root, "rev-parse", "HEAD")
-    # dvc.lock changes as a consequence of running; anything else uncommitted changes what runs
-    status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock")
+    # dvc.lock and metrics/ change as a consequence of running; anything else uncommitted changes what runs
+    status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock",
+                  ":(exclude)metrics")
     tags = {"rlhf.profile": profile, "rlhf.git_commit": commit or "unknown",
             "rlhf.git_dirty": "unknown" if status is None else str(bool(status)).lower()}
     if commit:

@@ -61,5 +61,20 @@ class Paths:
 
     @property
     def train_history(self) -> Path:
-        """One JSON line per RL update (the train stage's metrics; DVC plots and evaluate's plots read it)."""
-        return self.reports / "train_history.jsonl"
+        """A JSON list, one object per RL update: the train stage's result metrics (no timings), tracked by
+        git; DVC plots and evaluate's plots read it."""
+        return self.metrics / "train_history.json"
+
+    @property
+    def execution(self) -> Path:
+        """Figures of each stage's last execution (seconds, episodes/s, memory): git-ignored, no DVC output."""
+        return self.reports / "execution"
+
+    def execution_file(self, stage: str) -> Path:
+        return self.execution / f"{stage}.json"
+
+    @property
+    def train_log(self) -> Path:
+        """One JSON line per RL update as the trainer logs it, timings included: what a resumed run keeps
+        and replays into MLflow; train_history.json is written from it."""
+        return self.execution / "train_log.jsonl"

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tasks.common.execution import write_execution
 from tasks.common.launcher import is_main_process
 from tasks.common.params import load_params
 from tasks.common.paths import Paths
@@ -36,8 +37,11 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
 
     def work() -> dict:
         start = time.perf_counter()
-        metrics = module.run(params, Paths.at(root))
-        return {**metrics, "stage_seconds": time.perf_counter() - start}
+        paths = Paths.at(root)
+        metrics = {**module.run(params, paths), "stage_seconds": time.perf_counter() - start}
+        if is_main_process():  # seconds and the like: printed, in MLflow, in reports/execution/, never in DVC's outputs
+            write_execution(paths, name, metrics)
+        return metrics
 
     if not is_main_process():  # a launched stage's other ranks: rank 0 alone tracks (and writes)
         return work()

@@ -4,7 +4,7 @@ model and, in the demo world, by the gold reward; metrics, a per-example table a
 from __future__ import annotations
 
 from rlhf_core.greedy_eval import evaluate
-from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
+from rlhf_core.jsonio import read_json, read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
@@ -30,6 +30,6 @@ def run(params: Params, paths: Paths) -> dict:
     out = paths.reports / "eval"
     write_jsonl(out / "completions.jsonl", report.rows)
     history_file = paths.train_history
-    plot_evaluation(report.rows, read_jsonl(history_file) if history_file.is_file() else [], out)
+    plot_evaluation(report.rows, read_json(history_file) if history_file.is_file() else [], out)
     write_json(paths.metrics_file("eval"), report.summary)
     return report.summary

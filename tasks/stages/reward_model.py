@@ -13,6 +13,7 @@ from rlhf_core.models import (
 from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.world.generator import misstated_pairs
+from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.model_checks import check_reward_model, check_tokenizers
 from tasks.common.params import Params
@@ -55,5 +56,5 @@ def run(params: Params, paths: Paths) -> dict:
             metrics["eval/misstated_accuracy"] = evaluate_reward_model(model, tokenizer, probe,
                                                                        cfg=rm_cfg)["eval/accuracy"]
     save_model(model, tokenizer, paths.reward_model)
-    write_json(paths.metrics_file("reward"), metrics)
+    write_json(paths.metrics_file("reward"), results(metrics))  # train_seconds: reports/execution/
     return metrics

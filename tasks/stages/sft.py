@@ -6,6 +6,7 @@ from rlhf_core.jsonio import read_jsonl, write_json
 from rlhf_core.models import load_policy, load_tokenizer, save_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.sft_trainer import evaluate_sft, train_sft
+from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
 from tasks.common.paths import Paths
@@ -36,5 +37,5 @@ def run(params: Params, paths: Paths) -> dict:
         metrics.update(evaluate_sft(model, tokenizer, prompt_rows, cfg.eval_max_new_tokens, cfg.eval_batch_size,
                                     eval_rows=eval_rows, gold=gold_fn(params), cfg=cfg))
     save_model(model, tokenizer, paths.sft_model)
-    write_json(paths.metrics_file("sft"), metrics)
+    write_json(paths.metrics_file("sft"), results(metrics))  # train_seconds: reports/execution/
     return metrics

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_core.jsonio import read_jsonl, write_json, write_jsonl
+from rlhf_core.jsonio import atomic_path, read_jsonl, write_json, write_jsonl
 from rlhf_core.models import (
     load_policy,
     load_scorer_model,
@@ -25,6 +25,7 @@ from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
+from tasks.common.execution import results
 from tasks.common.guards import NonFiniteGuard
 from tasks.common.model_checks import check_reward_model, check_tokenizers
 from tasks.common.params import Params
@@ -47,12 +48,20 @@ def _fingerprint(paths: Paths, cfg_json: dict) -> str:
     return digest.hexdigest()
 
 
+def _logged_through(paths: Paths, checkpoint: Path) -> bool:
+    """Whether the train log holds every update up to the checkpoint's (a resumed run keeps their history)."""
+    update = int(checkpoint.name.split("-")[-1])
+    steps = {row.get("step") for row in read_jsonl(paths.train_log)} if paths.train_log.is_file() else set()
+    return steps >= set(range(1, update + 1))
+
+
 def _resumable(paths: Paths, fingerprint: str, main: bool) -> Path | None:
-    """The newest checkpoint made from exactly these inputs and config; otherwise the main process starts
-    clean (the other ranks ask after it did, and find the same answer)."""
+    """The newest checkpoint made from exactly these inputs and config, when the train log still has the
+    history of its updates; otherwise the main process starts clean (the other ranks ask after it did, and
+    find the same answer)."""
     marker = paths.checkpoints / "inputs.sha256"
     checkpoints = list_checkpoints(paths.checkpoints)
-    if checkpoints and marker.is_file() and marker.read_text() == fingerprint:
+    if checkpoints and marker.is_file() and marker.read_text() == fingerprint and _logged_through(paths, checkpoints[-1]):
         return checkpoints[-1]
     if main:
         shutil.rmtree(paths.checkpoints, ignore_errors=True)
@@ -62,8 +71,8 @@ def _resumable(paths: Paths, fingerprint: str, main: bool) -> Path | None:
 
 
 def _prepare_outputs(paths: Paths, resumed: int) -> None:
-    """The history and traces of a fresh run start empty; a resumed run drops what it will redo."""
-    history_file = paths.train_history
+    """The log and traces of a fresh run start empty; a resumed run drops what it will redo."""
+    history_file = paths.train_log
     if not resumed:
         history_file.unlink(missing_ok=True)
     elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
@@ -93,6 +102,12 @@ def _prune_traces(out: Path, resumed: int) -> None:
     for path in out.glob("update-*.*"):
         if int(path.stem.removeprefix("update-")) > resumed:
             path.unlink()
+
+
+def _write_history(path: Path, rows: list[dict]) -> None:
+    """A JSON list (what DVC plots read), one update per line (git diffs it line by line)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text("[\n" + ",\n".join(json.dumps(row, sort_keys=True) for row in rows) + "\n]\n")
 
 
 def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
@@ -137,7 +152,7 @@ def run(params: Params, paths: Paths) -> dict:
     if not main:
         checkpoint = _resumable(paths, fingerprint, main)
     resumed = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
-    history_file = paths.train_history
+    history_file = paths.train_log  # every figure as logged; metrics/ gets the results (tasks/common/execution.py)
     tracker = NullTracker()
     if main:
         _prepare_outputs(paths, resumed)
@@ -157,9 +172,10 @@ def run(params: Params, paths: Paths) -> dict:
     trainer.save_pretrained(paths.policy, tokenizer)  # every rank joins (sharded weights are gathered)
     if not main:
         return {}
-    last = read_jsonl(history_file)[-1] if history_file.is_file() else {}  # the whole run's, resumed or not
-    metrics = {k: v for k, v in last.items() if not k.startswith("time/")}
-    metrics.update(resumed_from_update=resumed, num_processes=acc.num_processes,
-                   distributed_type=str(acc.distributed_type.value), mixed_precision=acc.mixed_precision)
-    write_json(paths.metrics_file("train"), metrics)
+    history = read_jsonl(history_file) if history_file.is_file() else []  # the whole run's, resumed or not
+    _write_history(paths.train_history, [results(row) for row in history])
+    last = history[-1] if history else {}
+    metrics = {**last, "resumed_from_update": resumed, "num_processes": acc.num_processes,
+               "distributed_type": str(acc.distributed_type.value), "mixed_precision": acc.mixed_precision}
+    write_json(paths.metrics_file("train"), results(metrics))  # timings and the resume point: reports/execution/
     return metrics
