@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.bench import peak_matmul_flops, update_flops
 from rlhf_core.config import RLConfig, RuntimeConfig
 from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.rl_trainer import RLTrainer
@@ -72,6 +73,13 @@ def main(workload: Path, algo: str) -> None:
               "clipfrac": max(h["policy/clipfrac_avg"] for h in history)}
     if device == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    # model FLOPs utilisation against this machine's measured matmul peak in the training precision
+    seconds = (ends[-1] - ends[spec["warmup_updates"] - 1]) / max(len(ends) - spec["warmup_updates"], 1)
+    precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(runtime.accelerator.mixed_precision,
+                                                                       torch.float32)
+    peak = peak_matmul_flops(precision, device, n=8192 if device == "cuda" else 1024)
+    result["model_tflop_per_s"] = update_flops(trainer, spec["prompt_length"]) / seconds / 1e12
+    result["mfu"] = result["model_tflop_per_s"] * 1e12 / peak
     print("RESULT " + json.dumps(result), flush=True)
 
 

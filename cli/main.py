@@ -50,7 +50,8 @@ def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to 
     from rich.table import Table
 
     table = Table(title=f"bench-tiny · {algo.value} · {result['updates']} updates")
-    for key in ("episodes", "train_s", "episodes_per_s", "peak_rss_mib"):
+    for key in ("episodes", "train_s", "episodes_per_s", "peak_rss_mib", "model_gflop_per_s",
+                "peak_matmul_gflop_per_s", "mfu"):
         table.add_row(key, str(result[key]))
     for key in ("objective/scores", "objective/kl", "time/rollout_s", "time/update_s"):
         table.add_row(key, f"{result['metrics'][key]:.4g}")

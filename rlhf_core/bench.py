@@ -14,6 +14,7 @@ import time
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch import nn
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import RLConfig
@@ -55,6 +56,51 @@ def build_trainer(algo: str, updates: int) -> RLTrainer:
     )
 
 
+def matmul_params(model: nn.Module) -> int:
+    """Weights that multiply activations (every nn.Linear: attention, MLP, LM and score heads); the input
+    embedding is a lookup and costs no FLOPs."""
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
+    """Model FLOPs of one update, the dense-matmul count (2 per weight per token forward, 6 forward +
+    backward; attention scores left out, small at these lengths):
+
+        rollout   generation 2·N_policy·R per episode (KV cache), then policy and reference forwards over P + R
+                  tokens with the LM head on the R + 1 response positions, PPO's value forward
+        score     the reward model's forward over P + R
+        update    num_epochs × (forward + backward) of the policy (and PPO's value model)
+    """
+    cfg, model = trainer.cfg, trainer.unwrapped
+    policy, value = model.policy, model.value
+    head = policy.get_output_embeddings().weight.numel()
+    body = matmul_params(policy) - head
+    tokens, responses = prompt_length + cfg.response_length, cfg.response_length
+    policy_forward = 2 * (body * tokens + head * (responses + 1))
+    value_forward = 0 if value is None else 2 * matmul_params(value) * tokens
+    reward = getattr(trainer.scorer, "model", None)
+    reward_forward = 0 if reward is None else 2 * matmul_params(reward) * tokens
+    generation = 2 * (body + head) * responses
+    per_episode = (generation + 2 * policy_forward + value_forward + reward_forward
+                   + cfg.num_epochs * 3 * (policy_forward + value_forward))
+    return float(per_episode * trainer.plan.batch_size)
+
+
+def peak_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024) -> float:
+    """The best of a few square matmuls on this machine (FLOP/s): the measured peak MFU is taken against."""
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(8):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
@@ -76,6 +122,9 @@ def run_bench(algo: str, updates: int = 5) -> dict:
     history = trainer.train()
     train_s = time.perf_counter() - start
     episodes = trainer.state.episode
+    achieved = update_flops(trainer, PROMPT_LENGTH) * len(history) / train_s
+    peak = peak_matmul_flops()
     return {"algo": algo, "updates": len(history), "episodes": episodes, "train_s": round(train_s, 3),
             "episodes_per_s": round(episodes / train_s, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
-            "metrics": history[-1]}
+            "model_gflop_per_s": round(achieved / 1e9, 2), "peak_matmul_gflop_per_s": round(peak / 1e9, 1),
+            "mfu": round(achieved / peak, 4), "metrics": history[-1]}

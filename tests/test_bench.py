@@ -1,0 +1,30 @@
+"""The benchmark's FLOP count: the dense matmul weights a forward multiplies, and how an update adds them up."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.bench import build_trainer, matmul_params, peak_matmul_flops, update_flops
+from rlhf_core.models import init_causal_lm, tiny_gpt_neox_config
+
+
+def test_matmul_params_count_every_linear_and_not_the_input_embedding():
+    config = tiny_gpt_neox_config(vocab_size=100, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=64)
+    per_layer = 16 * 48 + 16 * 16 + 16 * 64 + 64 * 16  # query_key_value, dense, MLP in and out
+    assert matmul_params(init_causal_lm(config, seed=0)) == 2 * per_layer + 100 * 16  # + the LM head
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_update_flops_add_up_the_phases(algo):
+    trainer = build_trainer(algo, updates=1)
+    policy = trainer.unwrapped.policy
+    head = policy.get_output_embeddings().weight.numel()
+    body = matmul_params(policy) - head
+    P, R, B = 48, trainer.cfg.response_length, trainer.plan.batch_size
+    policy_forward = 2 * (body * (P + R) + head * (R + 1))
+    value_forward = 2 * matmul_params(trainer.unwrapped.value) * (P + R) if algo == "ppo" else 0
+    reward_forward = 2 * matmul_params(trainer.scorer.model) * (P + R)
+    expected = B * (2 * (body + head) * R + 2 * policy_forward + value_forward + reward_forward
+                    + trainer.cfg.num_epochs * 3 * (policy_forward + value_forward))
+    assert update_flops(trainer, P) == expected
+    assert peak_matmul_flops(n=128) > 1e8  # a real measurement, not a constant
