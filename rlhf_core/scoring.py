@@ -17,10 +17,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from rlhf_core.reward_functions import RewardFn, import_reward_function  # noqa: F401 (re-exported)
 from rlhf_core.rollout import Rollout, backbone_hidden, score_head
 
-RewardFn = Callable[[list[str], list[str]], Sequence[float]]
-"""(prompts, completions) -> one reward per completion: what `FunctionScorer` wraps."""
 GoldFn = Callable[[str, str, bool], float]
 """(prompt, completion, ended_with_eos) -> a known true reward (the demo world's `gold_reward`); evaluations
 report it beside the reward model's score, so reward hacking shows."""
@@ -115,26 +114,3 @@ class WeightedScorer:
 
     def __call__(self, batch: Rollout) -> Tensor:
         return self.combine(self.by_source(batch))
-
-
-def import_reward_function(path: str) -> RewardFn:
-    """The function at `path`, "package.module:function" (TRL's reward functions by import path), checked to
-    be callable; every failure names the path and what was expected."""
-    import importlib
-
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"reward function {path!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"reward function {path!r}: cannot import module {module_name!r} ({error})") from None
-    fn = module
-    for part in attribute.split("."):
-        if not hasattr(fn, part):
-            raise ValueError(f"reward function {path!r}: module {module_name!r} has no {attribute!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ValueError(f"reward function {path!r}: {attribute!r} is a {type(fn).__name__}, not callable "
-                         "(expected fn(prompts, completions) -> floats)")
-    return fn

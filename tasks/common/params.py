@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlhf_core.config import InspectionConfig, RewardConfig, RLConfig, RuntimeConfig, SFTConfig
+from rlhf_core.reward_functions import import_reward_function
 from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
@@ -98,6 +99,33 @@ class RuntimeParams(RuntimeConfig):
     """Device, precision and launcher of every stage that runs a model; fields documented in rlhf_core/config.py."""
 
 
+class RewardSource(_Section):
+    """One reward source of `train.reward_funcs` (TRL's reward_funcs): a reward model or a Python function."""
+
+    model: str | None = None
+    """A sequence classifier (num_labels=1) by path or hub id, sharing the policy's tokenizer
+    (`models/reward` is the pipeline's own)."""
+    function: str | None = None
+    """'package.module:function', called as fn(prompts, completions) -> floats on decoded text."""
+    name: str | None = None
+    """Name of its metrics (rewards/<name>/mean, /std); default: the function's or the model folder's name."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSource:
+        if (self.model is None) == (self.function is None):
+            raise ValueError("a reward source names exactly one of 'model' (path or hub id) or 'function' "
+                             "('package.module:function')")
+        if self.function is not None:
+            import_reward_function(self.function)  # resolves now: a typo fails here, not after the SFT stages
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return self.function.rpartition(":")[2] if self.function else Path(self.model).name
+
+
 class TrainParams(RLConfig):
     value_model_init: Literal["reward", "sft"] = "reward"
     """Initialize PPO's value model from 'reward' (TRL's choice) or 'sft' (backbone + a fresh head)."""
@@ -105,6 +133,25 @@ class TrainParams(RLConfig):
     """Write the reward-flow trace (reports/trace/) every N updates and at the last one; 0: never."""
     trace_rollouts: int = Field(4, gt=0)
     """Rollouts of the batch (the first ones) each trace breaks down token by token."""
+    reward_funcs: list[RewardSource] | None = None
+    """Reward sources summed with reward_weights (TRL's names); None: the pipeline's reward model alone."""
+    reward_weights: list[float] | None = None
+    """One weight per reward source; None: 1.0 each."""
+
+    @model_validator(mode="after")
+    def _reward_sources(self) -> TrainParams:
+        if self.reward_weights is not None:
+            if self.reward_funcs is None:
+                raise ValueError("train.reward_weights needs train.reward_funcs (one weight per source)")
+            if len(self.reward_weights) != len(self.reward_funcs):
+                raise ValueError(f"train.reward_weights has {len(self.reward_weights)} weights for "
+                                 f"{len(self.reward_funcs)} reward_funcs; give one per source")
+        if self.reward_funcs is not None:
+            labels = [source.label for source in self.reward_funcs]
+            if not labels or len(set(labels)) != len(labels):
+                raise ValueError(f"train.reward_funcs: names must be distinct and at least one, got {labels} "
+                                 "(set 'name' on each)")
+        return self
 
 
 class EvaluateParams(_Section):

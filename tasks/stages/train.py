@@ -22,7 +22,13 @@ from rlhf_core.models import (
 )
 from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.runtime import Runtime
-from rlhf_core.scoring import RewardModelScorer
+from rlhf_core.scoring import (
+    FunctionScorer,
+    RewardModelScorer,
+    Scorer,
+    WeightedScorer,
+    import_reward_function,
+)
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
 from tasks.common.execution import results
@@ -122,7 +128,7 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.sft_model)
     policy = runtime.trainable(load_policy(paths.sft_model, **load))
-    reward = runtime.load_frozen(load_scorer_model, paths.reward_model)
+    scorer = build_scorer(params, paths, runtime, tokenizer)
     value = None
     if cfg.algo == "ppo":
         value = load_scorer_model(paths.reward_model, **load) if params.train.value_model_init == "reward" \
@@ -131,22 +137,48 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     texts = [r["prompt"] for r in read_jsonl(paths.split("prompts_train"))]
     max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    trainer = RLTrainer(cfg, policy, RewardModelScorer(reward), prompts, pad_token_id=tokenizer.pad_token_id,
+    trainer = RLTrainer(cfg, policy, scorer, prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
                         ref_policy=runtime.load_frozen(load_policy, paths.sft_model),
                         accelerator=runtime.accelerator, **hooks)
     return trainer, tokenizer
 
 
+def reward_models(params: Params, paths: Paths) -> list[str]:
+    """The reward models the stage scores with: train.reward_funcs' models, else the pipeline's own."""
+    if params.train.reward_funcs is None:
+        return [str(paths.reward_model)]
+    return [source.model for source in params.train.reward_funcs if source.model is not None]
+
+
+def build_scorer(params: Params, paths: Paths, runtime: Runtime, tokenizer) -> Scorer:
+    """The pipeline's reward model, or train.reward_funcs weighted by train.reward_weights (each source's
+    scores logged as rewards/<name>/mean and /std)."""
+    sources = params.train.reward_funcs
+    if sources is None:
+        return RewardModelScorer(runtime.load_frozen(load_scorer_model, paths.reward_model))
+    weights = params.train.reward_weights or [1.0] * len(sources)
+    terms = []
+    for weight, source in zip(weights, sources, strict=True):
+        scorer = (RewardModelScorer(runtime.load_frozen(load_scorer_model, source.model)) if source.model
+                  else FunctionScorer(import_reward_function(source.function), tokenizer))
+        terms.append((weight, scorer))
+    return WeightedScorer(terms, names=[source.label for source in sources])
+
+
 def run(params: Params, paths: Paths) -> dict:
     """Every rank trains; the main process alone prepares and writes the outputs (others return {})."""
-    check_reward_model(paths.reward_model)  # before a checkpoint is kept or discarded, before models load
-    check_tokenizers(paths.sft_model, paths.reward_model)
+    for model in reward_models(params, paths):  # before a checkpoint is kept or discarded, before models load
+        check_reward_model(model)
+        check_tokenizers(paths.sft_model, model)
     cfg = params.rl_config()
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     acc, main = runtime.accelerator, runtime.accelerator.is_main_process
     # a checkpoint's format depends on the layout (processes, DeepSpeed): resume only on the same runtime
-    fingerprint = _fingerprint(paths, {**cfg.model_dump(mode="json"), "runtime": params.runtime.model_dump(mode="json")})
+    inputs = {**cfg.model_dump(mode="json"), "runtime": params.runtime.model_dump(mode="json")}
+    if params.train.reward_funcs is not None:  # other reward sources: a checkpoint made with others is not resumed
+        inputs["reward_sources"] = params.train.model_dump(mode="json", include={"reward_funcs", "reward_weights"})
+    fingerprint = _fingerprint(paths, inputs)
     checkpoint = _resumable(paths, fingerprint, main) if main else None
     acc.wait_for_everyone()
     if not main:
