@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -95,7 +95,7 @@ class RLTrainer:
                  pad_token_id: int, stop_token_id: int | None, value_model: nn.Module | None = None,
                  ref_policy: nn.Module | None = None, accelerator: Accelerator | None = None,
                  tracker: Tracker | None = None, checkpoint_dir: str | Path | None = None,
-                 on_update: UpdateHook | None = None):
+                 on_update: UpdateHook | None = None, monitors: Mapping[str, Scorer] | None = None):
         self.cfg = cfg
         self.algo = ALGORITHMS[cfg.algo]
         if self.algo.USES_VALUE_MODEL and value_model is None:
@@ -109,6 +109,7 @@ class RLTrainer:
         self.pad_token_id, self.stop_token_id = pad_token_id, (stop_token_id if cfg.stop_token else None)
         assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
         self.scorer, self.prompts = scorer, prompts
+        self.monitors = dict(monitors or {})  # scored and logged as monitor/<name>, never trained on
         self.tracker = tracker or NullTracker()
         self.on_update = on_update
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
@@ -260,6 +261,9 @@ class RLTrainer:
                         metrics.add(f"rewards/{name}/std", values.float().std(correction=0))  # per process
             else:
                 scores = self.scorer(batch).to(batch.queries.device).float()  # (B,)
+        if metrics is not None:
+            for name, monitor in self.monitors.items():
+                metrics.add_mean(f"monitor/{name}", monitor(batch).float())
         if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
             scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
         in_loss = batch.contains_stop if self.cfg.mask_truncated_completions else None

@@ -74,6 +74,15 @@ class RewardModelScorer:
         return torch.cat(out).to(batch.queries.device)
 
 
+def decode_texts(tokenizer, batch: Rollout) -> tuple[list[str], list[str]]:
+    """The prompts and completions of a rollout as text (padding and special tokens dropped)."""
+    prompts = tokenizer.batch_decode(
+        [q[m].tolist() for q, m in zip(batch.queries, batch.query_mask, strict=True)], skip_special_tokens=True)
+    completions = tokenizer.batch_decode(
+        [r[m].tolist() for r, m in zip(batch.responses, batch.response_mask, strict=True)], skip_special_tokens=True)
+    return prompts, completions
+
+
 class FunctionScorer:
     """Scores decoded text with a plain Python function (prompts, completions) -> floats."""
 
@@ -82,14 +91,26 @@ class FunctionScorer:
         self.tokenizer = tokenizer
 
     def __call__(self, batch: Rollout) -> Tensor:
-        prompts = self.tokenizer.batch_decode(
-            [q[m].tolist() for q, m in zip(batch.queries, batch.query_mask, strict=True)], skip_special_tokens=True)
-        completions = self.tokenizer.batch_decode(
-            [r[m].tolist() for r, m in zip(batch.responses, batch.response_mask, strict=True)], skip_special_tokens=True)
+        prompts, completions = decode_texts(self.tokenizer, batch)
         scores = list(self.fn(prompts, completions))
         if len(scores) != len(batch):
             raise ValueError(f"reward function returned {len(scores)} scores for {len(batch)} completions")
         return torch.tensor(scores, dtype=torch.float32, device=batch.queries.device)
+
+
+class GoldScorer:
+    """A world's gold reward of each completion: a monitor the trainer logs (monitor/<name>), never a reward,
+    so reward hacking shows during training as the proxy score rises while the gold one falls."""
+
+    def __init__(self, gold: GoldFn, tokenizer):
+        self.gold = gold
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: Rollout) -> Tensor:
+        prompts, completions = decode_texts(self.tokenizer, batch)
+        stopped = batch.contains_stop.tolist()
+        return torch.tensor([self.gold(p, c, e) for p, c, e in zip(prompts, completions, stopped, strict=True)],
+                            dtype=torch.float32, device=batch.queries.device)
 
 
 class WeightedScorer:

@@ -65,6 +65,7 @@ def test_run_writes_every_stage_output(workspace):
 
     # a rerun with the same inputs resumes from the final checkpoint: no update is redone
     trained = json.loads((workspace / "metrics" / "train.json").read_text())
+    assert -1.0 <= trained["monitor/gold"] <= 1.0, "the world's gold reward is monitored during training"
 
     def resumed_from() -> int:  # an execution figure: in reports/execution/, not in DVC's metrics
         return json.loads((workspace / "reports" / "execution" / "train.json").read_text())["resumed_from_update"]

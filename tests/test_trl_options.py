@@ -283,3 +283,29 @@ def test_each_reward_source_is_logged(tokenizer, prompts, make_policy, make_scor
     assert first["objective/scores"] == pytest.approx(first["rewards/target/mean"] + 0.5 * first["rewards/length/mean"])
     with pytest.raises(ValueError, match="distinct names"):
         WeightedScorer([(1.0, scorer), (1.0, scorer)], names=["a", "a"])
+
+
+# ------------------------------------------------------------------ monitors
+
+
+def test_a_monitor_is_logged_and_changes_nothing(tokenizer, prompts, make_policy, make_scorer_model):
+    """A gold reward watched during training: logged as monitor/<name>, the training itself identical."""
+    from rlhf_core.scoring import GoldScorer
+
+    seen = []
+
+    def gold(prompt, completion, ended):
+        seen.append((prompt, completion, ended))
+        return float(len(completion.split()))
+
+    runs = {}
+    for monitored in (False, True):
+        cfg = tiny_config("ppo", total_episodes=64)
+        monitors = {"gold": GoldScorer(gold, tokenizer)} if monitored else None
+        trainer = make_trainer(cfg, tokenizer, prompts, make_policy, make_scorer_model, monitors=monitors)
+        runs[monitored] = (trainer.train(), params(trainer))
+    (plain, plain_params), (watched, watched_params) = runs[False], runs[True]
+    assert "monitor/gold" not in plain[0] and 0.0 < watched[0]["monitor/gold"] <= 8.0
+    assert len(seen) == 64 and all(isinstance(e, bool) and isinstance(p, str) for p, _, e in seen)
+    for name, value in plain_params.items():
+        assert torch.equal(watched_params[name], value), name

@@ -26,7 +26,13 @@ def plot_evaluation(rows: list[dict], history: list[dict], out: Path) -> None:
         ax.plot(updates, [h["objective/scores"] for h in history], label="reward-model score")
         ax.plot(updates, [h["objective/rlhf_reward"] for h in history], label="score - KL penalty")
         ax.set(xlabel="update", ylabel="mean over rollouts", title="Reward over updates")
-        ax.legend()
+        if all("monitor/gold" in h for h in history):  # a world with a gold reward: does it follow the proxy?
+            gold_axis = ax.twinx()
+            gold_axis.plot(updates, [h["monitor/gold"] for h in history], color="black", linestyle="--",
+                           label="gold reward")
+            gold_axis.set(ylabel="gold reward")
+            gold_axis.legend(loc="lower right")
+        ax.legend(loc="upper left")
         _save(fig, out / "reward_over_updates.png")
 
         fig, ax = plt.subplots(figsize=(5, 4))

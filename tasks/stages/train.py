@@ -24,6 +24,7 @@ from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import (
     FunctionScorer,
+    GoldScorer,
     RewardModelScorer,
     Scorer,
     WeightedScorer,
@@ -32,6 +33,7 @@ from rlhf_core.scoring import (
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
 from tasks.common.execution import results
+from tasks.common.gold_wiring import gold_fn
 from tasks.common.guards import NonFiniteGuard
 from tasks.common.model_checks import check_reward_model, check_tokenizers
 from tasks.common.params import Params
@@ -137,10 +139,12 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     texts = [r["prompt"] for r in read_jsonl(paths.split("prompts_train"))]
     max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    gold = gold_fn(params)  # the demo world's true reward, logged as monitor/gold beside the proxy's score
     trainer = RLTrainer(cfg, policy, scorer, prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
                         ref_policy=runtime.load_frozen(load_policy, paths.sft_model),
-                        accelerator=runtime.accelerator, **hooks)
+                        accelerator=runtime.accelerator,
+                        monitors={"gold": GoldScorer(gold, tokenizer)} if gold is not None else None, **hooks)
     return trainer, tokenizer
 
 
