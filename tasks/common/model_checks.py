@@ -23,7 +23,11 @@ def check_reward_model(source: str | os.PathLike, role: str = "reward model") ->
     """`source` (a directory or hub id) is a sequence classifier with num_labels == 1."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(source), trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(str(source), trust_remote_code=False)
+    except (OSError, ValueError) as error:  # a missing directory reads as a malformed hub id to transformers
+        raise ModelInputError(f"could not load the {role} {str(source)!r}: not a model directory, and not a hub "
+                              f"id reachable offline ({error})") from None
     architectures = config.architectures or []
     if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise ModelInputError(
@@ -39,7 +43,10 @@ def check_tokenizers(policy: str | os.PathLike, reward: str | os.PathLike) -> No
     """The policy's tokenizer has a pad token, and the reward model's (when it has one) is the same."""
     from transformers import AutoTokenizer
 
-    policy_tok = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
+    try:
+        policy_tok = AutoTokenizer.from_pretrained(str(policy), trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise ModelInputError(f"could not load the policy's tokenizer from {str(policy)!r} ({error})") from None
     if policy_tok.pad_token is None:
         raise ModelInputError(f"{policy}: the tokenizer has no pad token; add a distinct one (e.g. '[PAD]', "
                               "tokenizer.add_special_tokens) and resize the embeddings before RL")
