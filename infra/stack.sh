@@ -1,0 +1,351 @@
+#!/usr/bin/env bash
+# The scale-out stack on loopback, natively (no Docker): PostgreSQL (Debian packages), an S3 server (moto's
+# server mode), `prefect server` on Postgres with a work pool and `prefect worker`, `mlflow server` on Postgres
+# with artifacts in S3 and basic auth. What infra/docker-compose.yml runs in containers, for one machine.
+#
+#   infra/stack.sh up                 start what is not running (idempotent); prints where things are
+#   infra/stack.sh down               stop everything this script started (state is kept, S3 excepted)
+#   infra/stack.sh status             each service: running or not, and its URL
+#   infra/stack.sh env                the client settings as `export` lines: eval "$(infra/stack.sh env)"
+#   infra/stack.sh stop|start SERVICE one service: postgres | s3 | mlflow | prefect | worker
+#   infra/stack.sh reset              down, then delete the state folder (data, secrets, logs)
+#
+# Settings (environment variables; the defaults keep clear of the usual ports):
+#   RLHF_STACK_DIR   state folder (Postgres data, secrets, pids)  default infra/.state (git-ignored)
+#   RLHF_STACK_HOST  the address every server binds to             default 127.0.0.1 (loopback only)
+#   RLHF_PG_PORT 15432, RLHF_S3_PORT 19000, RLHF_PREFECT_PORT 14200, RLHF_MLFLOW_PORT 15000
+#   RLHF_WORK_POOL   the process pool the worker serves            default rlhf-local (prefect.yaml's)
+#   RLHF_ZOMBIE_AFTER_S  a flow run silent this long is marked Crashed  default 90 (heartbeats every 30 s)
+#   RLHF_STACK_BIN   where prefect, mlflow, moto_server live       default .venv/bin
+# Logs: $RLHF_STACK_DIR/logs/<service>.log. Secrets: generated once into $RLHF_STACK_DIR/secrets.env (mode 600);
+# they reach servers through the environment or files of mode 600, never a command line or a log.
+# Postgres refuses to run as root: as root the script runs it as the `postgres` system user.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+STATE=${RLHF_STACK_DIR:-$ROOT/infra/.state}
+BIN=${RLHF_STACK_BIN:-$ROOT/.venv/bin}
+HOST=${RLHF_STACK_HOST:-127.0.0.1}
+PG_PORT=${RLHF_PG_PORT:-15432}
+S3_PORT=${RLHF_S3_PORT:-19000}
+PREFECT_PORT=${RLHF_PREFECT_PORT:-14200}
+MLFLOW_PORT=${RLHF_MLFLOW_PORT:-15000}
+POOL=${RLHF_WORK_POOL:-rlhf-local}
+ZOMBIE_AFTER_S=${RLHF_ZOMBIE_AFTER_S:-90}
+HEARTBEAT_S=${PREFECT_FLOWS_HEARTBEAT_FREQUENCY:-30}
+DVC_BUCKET=${RLHF_DVC_BUCKET:-rlhf-dvc}
+MLFLOW_BUCKET=${RLHF_MLFLOW_BUCKET:-rlhf-mlflow}
+LOGS=$STATE/logs
+RUN=$STATE/run
+PGDATA=$STATE/postgres
+PGSOCK=$STATE/pgsock
+SERVICES=(postgres s3 mlflow prefect worker)
+STARTUP_S=${RLHF_STACK_STARTUP_S:-180}
+
+export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true DVC_NO_ANALYTICS=1
+
+die() { echo "stack: error: $*" >&2; exit 1; }
+say() { echo "stack: $*"; }
+
+check_settings() {
+  local name value
+  for name in RLHF_PG_PORT RLHF_S3_PORT RLHF_PREFECT_PORT RLHF_MLFLOW_PORT RLHF_ZOMBIE_AFTER_S; do
+    value=${!name:-}
+    [[ -z $value || $value =~ ^[0-9]+$ ]] || die "$name=$value: expected a number (a TCP port or seconds)"
+  done
+  for value in "$PG_PORT" "$S3_PORT" "$PREFECT_PORT" "$MLFLOW_PORT"; do
+    ((value > 0 && value < 65536)) || die "port $value: expected 1-65535 (RLHF_*_PORT)"
+  done
+  ((ZOMBIE_AFTER_S > HEARTBEAT_S)) || die "RLHF_ZOMBIE_AFTER_S=$ZOMBIE_AFTER_S: expected more than the heartbeat period ($HEARTBEAT_S s)"
+  [[ -x $BIN/prefect && -x $BIN/mlflow ]] || die "no prefect/mlflow in $BIN: run \`make setup\` (or set RLHF_STACK_BIN)"
+}
+
+secret() { "$BIN/python" -c 'import secrets; print(secrets.token_urlsafe(24))'; }
+
+load_secrets() {
+  mkdir -p "$STATE" "$LOGS" "$RUN"
+  if [[ ! -f $STATE/secrets.env ]]; then
+    (umask 077; {
+      echo "RLHF_PG_PASSWORD=$(secret)"
+      echo "RLHF_PREFECT_AUTH=admin:$(secret)"
+      echo "RLHF_MLFLOW_ADMIN_PASSWORD=$(secret)"
+      echo "RLHF_MLFLOW_USER=rlhf"
+      echo "RLHF_MLFLOW_PASSWORD=$(secret)"
+      echo "RLHF_S3_KEY_ID=rlhf$(secret | tr -dc 'A-Za-z0-9' | cut -c1-12)"
+      echo "RLHF_S3_SECRET=$(secret)"
+      echo "RLHF_FLASK_SECRET=$(secret)"
+    } > "$STATE/secrets.env")
+  fi
+  # shellcheck disable=SC1091
+  source "$STATE/secrets.env"
+}
+
+# ---------------------------------------------------------------------------------------------------- helpers
+pid_of() { [[ -f $RUN/$1.pid ]] && cat "$RUN/$1.pid" || true; }
+alive() { local pid; pid=$(pid_of "$1"); [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; }
+
+# start NAME CMD...: in its own session (so `down` stops its whole process group), output to logs/NAME.log
+start_bg() {
+  local name=$1; shift
+  setsid "$@" >>"$LOGS/$name.log" 2>&1 < /dev/null &
+  echo $! > "$RUN/$name.pid"
+}
+
+wait_http() {  # NAME URL [auth]: until URL answers below 500
+  local name=$1 url=$2 auth=${3:-} deadline=$((SECONDS + STARTUP_S)) code
+  while ((SECONDS < deadline)); do
+    alive "$name" || die "$name exited while starting; see $LOGS/$name.log:$(echo; tail -n 15 "$LOGS/$name.log")"
+    code=$("$BIN/python" - "$url" "$auth" <<'EOF' 2>/dev/null || true
+import base64, sys, urllib.request, urllib.error
+req = urllib.request.Request(sys.argv[1])
+if sys.argv[2]:
+    req.add_header("Authorization", "Basic " + base64.b64encode(sys.argv[2].encode()).decode())
+try:
+    print(urllib.request.urlopen(req, timeout=3).status)
+except urllib.error.HTTPError as err:
+    print(err.code)
+EOF
+)
+    [[ -n $code && $code -lt 500 ]] && return 0
+    sleep 1
+  done
+  die "$name did not answer on $url within ${STARTUP_S} s; see $LOGS/$name.log"
+}
+
+stop_service() {
+  local name=$1 pid i
+  if [[ $name == postgres ]]; then
+    if [[ -f $PGDATA/postmaster.pid ]]; then as_pg "$(pg_bin)/pg_ctl" -D "$PGDATA" -m fast -w stop >/dev/null && say "postgres stopped"; fi
+    return 0
+  fi
+  pid=$(pid_of "$name")
+  if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
+    kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+    for i in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+    say "$name stopped"
+  fi
+  rm -f "$RUN/$name.pid"
+}
+
+# ---------------------------------------------------------------------------------------------------- postgres
+pg_bin() {
+  local dir
+  for dir in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r) ; do [[ -x $dir/pg_ctl ]] && { echo "$dir"; return; }; done
+  command -v pg_ctl >/dev/null && { dirname "$(command -v pg_ctl)"; return; }
+  die "PostgreSQL not found: install it (Debian: apt-get install postgresql; \`make test-server\` does)"
+}
+
+as_pg() {  # run a Postgres binary as the current user, or as `postgres` when we are root
+  if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi
+}
+
+psql_admin() { as_pg "$(pg_bin)/psql" -h "$PGSOCK" -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 -qtA "$@"; }
+
+start_postgres() {
+  local bin; bin=$(pg_bin)
+  if [[ ! -f $PGDATA/PG_VERSION ]]; then
+    mkdir -p "$PGDATA"
+    local pwfile; pwfile=$(mktemp)
+    echo "$RLHF_PG_PASSWORD" > "$pwfile"
+    if [[ $(id -u) == 0 ]]; then chown postgres "$PGDATA" "$pwfile"; fi
+    chmod 700 "$PGDATA"; chmod 600 "$pwfile"
+    as_pg "$bin/initdb" -D "$PGDATA" -U postgres --pwfile="$pwfile" --auth-local=peer --auth-host=scram-sha-256 \
+      >>"$LOGS/postgres.log" 2>&1 || { rm -f "$pwfile"; die "initdb failed; see $LOGS/postgres.log"; }
+    rm -f "$pwfile"
+    if [[ $(id -u) == 0 ]]; then  # peer auth maps the OS user `postgres` to the role `postgres`
+      :
+    else  # the current user runs the server: let it in as the superuser over the socket
+      { echo "self $(id -un) postgres"; } >> "$PGDATA/pg_ident.conf"
+      sed -i "1i local all postgres peer map=self" "$PGDATA/pg_hba.conf"
+    fi
+  fi
+  mkdir -p "$PGSOCK"; touch "$LOGS/postgres.log"
+  if [[ $(id -u) == 0 ]]; then chown postgres "$PGSOCK" "$LOGS/postgres.log"; fi
+  if as_pg "$bin/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
+    say "postgres already running on $HOST:$PG_PORT"
+  else
+    as_pg "$bin/pg_ctl" -D "$PGDATA" -l "$LOGS/postgres.log" -w -t "$STARTUP_S" \
+      -o "-p $PG_PORT -h $HOST -k $PGSOCK" start >/dev/null || die "postgres did not start; see $LOGS/postgres.log"
+    say "postgres on $HOST:$PG_PORT (data $PGDATA)"
+  fi
+  local db
+  for db in prefect mlflow mlflow_auth; do  # one role per database; all share the generated password
+    local role=${db%_auth}
+    [[ $(psql_admin -d postgres -c "SELECT 1 FROM pg_roles WHERE rolname='$role'") == 1 ]] || \
+      psql_admin -d postgres >/dev/null <<<"CREATE ROLE $role LOGIN PASSWORD '$RLHF_PG_PASSWORD'"  # stdin: not in ps
+    [[ $(psql_admin -d postgres -c "SELECT 1 FROM pg_database WHERE datname='$db'") == 1 ]] || \
+      psql_admin -d postgres -c "CREATE DATABASE $db OWNER $role" >/dev/null
+  done
+}
+
+pg_url() { echo "$1://$2:$RLHF_PG_PASSWORD@$HOST:$PG_PORT/$3"; }  # DRIVER ROLE DB: for environment variables only
+
+# ---------------------------------------------------------------------------------------------------- S3 (moto)
+start_s3() {
+  if alive s3; then say "s3 already running on http://$HOST:$S3_PORT"; return; fi
+  start_bg s3 "$BIN/moto_server" -H "$HOST" -p "$S3_PORT"
+  wait_http s3 "http://$HOST:$S3_PORT/moto-api/"
+  AWS_ACCESS_KEY_ID=$RLHF_S3_KEY_ID AWS_SECRET_ACCESS_KEY=$RLHF_S3_SECRET "$BIN/python" - \
+    "http://$HOST:$S3_PORT" "$DVC_BUCKET" "$MLFLOW_BUCKET" <<'EOF'
+import sys, boto3
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
+have = {b["Name"] for b in s3.list_buckets()["Buckets"]}
+for bucket in sys.argv[2:]:
+    if bucket not in have:
+        s3.create_bucket(Bucket=bucket)
+EOF
+  say "s3 (moto, in memory) on http://$HOST:$S3_PORT, buckets $DVC_BUCKET $MLFLOW_BUCKET"
+}
+
+# ---------------------------------------------------------------------------------------------------- MLflow
+start_mlflow() {
+  if alive mlflow; then
+    say "mlflow already running on http://$HOST:$MLFLOW_PORT"
+  else
+    launch_mlflow
+  fi
+  wait_http mlflow "http://$HOST:$MLFLOW_PORT/health"
+  ensure_mlflow_user
+}
+
+launch_mlflow() {
+  (umask 077; cat > "$STATE/mlflow-auth.ini" <<EOF
+[mlflow]
+default_permission = READ
+database_uri = $(pg_url postgresql+psycopg2 mlflow mlflow_auth)
+admin_username = admin
+admin_password = $RLHF_MLFLOW_ADMIN_PASSWORD
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+EOF
+)
+  start_bg mlflow env MLFLOW_AUTH_CONFIG_PATH="$STATE/mlflow-auth.ini" \
+    MLFLOW_BACKEND_STORE_URI="$(pg_url postgresql+psycopg2 mlflow mlflow)" \
+    MLFLOW_FLASK_SERVER_SECRET_KEY="$RLHF_FLASK_SECRET" \
+    MLFLOW_S3_ENDPOINT_URL="http://$HOST:$S3_PORT" AWS_ACCESS_KEY_ID="$RLHF_S3_KEY_ID" \
+    AWS_SECRET_ACCESS_KEY="$RLHF_S3_SECRET" AWS_DEFAULT_REGION=us-east-1 \
+    "$BIN/mlflow" server --app-name basic-auth --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
+    --artifacts-destination "s3://$MLFLOW_BUCKET"
+  say "mlflow on http://$HOST:$MLFLOW_PORT (Postgres backend, artifacts s3://$MLFLOW_BUCKET, basic auth)"
+}
+
+ensure_mlflow_user() {
+  # the pipeline's own user (not the admin); creating it again is refused, which is fine
+  RLHF_MLFLOW_ADMIN_PASSWORD=$RLHF_MLFLOW_ADMIN_PASSWORD RLHF_MLFLOW_USER=$RLHF_MLFLOW_USER \
+    RLHF_MLFLOW_PASSWORD=$RLHF_MLFLOW_PASSWORD "$BIN/python" - "http://$HOST:$MLFLOW_PORT" <<'EOF' || die "could not create the MLflow user; see $LOGS/mlflow.log"
+import os, sys, httpx
+url = sys.argv[1]
+admin = ("admin", os.environ["RLHF_MLFLOW_ADMIN_PASSWORD"])
+user = {"username": os.environ["RLHF_MLFLOW_USER"], "password": os.environ["RLHF_MLFLOW_PASSWORD"]}
+got = httpx.get(f"{url}/api/2.0/mlflow/users/get", params={"username": user["username"]}, auth=admin, timeout=30)
+if got.status_code != 200:
+    made = httpx.post(f"{url}/api/2.0/mlflow/users/create", json=user, auth=admin, timeout=30)
+    if made.status_code != 200:
+        sys.exit(f"users/create: HTTP {made.status_code}")
+EOF
+}
+
+# ---------------------------------------------------------------------------------------------------- Prefect
+prefect_env() {
+  env PREFECT_HOME="$STATE/prefect-home" PREFECT_API_URL="http://$HOST:$PREFECT_PORT/api" \
+    PREFECT_API_AUTH_STRING="$RLHF_PREFECT_AUTH" "$@"
+}
+
+start_prefect() {
+  if alive prefect; then
+    say "prefect already running on http://$HOST:$PREFECT_PORT"
+  else
+    mkdir -p "$STATE/prefect-home"
+    start_bg prefect env PREFECT_HOME="$STATE/prefect-home" \
+      PREFECT_API_DATABASE_CONNECTION_URL="$(pg_url postgresql+asyncpg prefect prefect)" \
+      PREFECT_SERVER_API_AUTH_STRING="$RLHF_PREFECT_AUTH" \
+      "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
+  fi
+  wait_http prefect "http://$HOST:$PREFECT_PORT/api/health" "$RLHF_PREFECT_AUTH"
+  # the work pool (a `process` pool: flow runs are subprocesses of the worker, on this machine)
+  prefect_env "$BIN/prefect" --no-prompt work-pool create "$POOL" --type process \
+    --base-job-template "$ROOT/infra/work-pools/process.json" --overwrite >>"$LOGS/prefect.log" 2>&1 \
+    || die "could not create work pool $POOL; see $LOGS/prefect.log"
+  # flow runs silent for RLHF_ZOMBIE_AFTER_S (a dead worker, a lost machine) are marked Crashed
+  if ! prefect_env "$BIN/prefect" automation inspect "rlhf: crash zombie flow runs" >/dev/null 2>&1; then
+    sed "s/within: .*/within: $ZOMBIE_AFTER_S/" "$ROOT/infra/automations/crash-zombie-flow-runs.yaml" \
+      > "$STATE/crash-zombie-flow-runs.yaml"
+    prefect_env "$BIN/prefect" --no-prompt automation create --from-file "$STATE/crash-zombie-flow-runs.yaml" \
+      >>"$LOGS/prefect.log" 2>&1 || die "could not create the zombie automation; see $LOGS/prefect.log"
+  fi
+  say "prefect on http://$HOST:$PREFECT_PORT (Postgres backend, API auth), work pool $POOL"
+}
+
+start_worker() {
+  if alive worker; then say "worker already running (pool $POOL)"; return; fi
+  # the worker's environment is its flow runs': they track into this stack's MLflow and send heartbeats
+  start_bg worker env PREFECT_HOME="$STATE/prefect-home" PREFECT_API_URL="http://$HOST:$PREFECT_PORT/api" \
+    PREFECT_API_AUTH_STRING="$RLHF_PREFECT_AUTH" PREFECT_FLOWS_HEARTBEAT_FREQUENCY="$HEARTBEAT_S" \
+    MLFLOW_TRACKING_URI="http://$HOST:$MLFLOW_PORT" MLFLOW_TRACKING_USERNAME="$RLHF_MLFLOW_USER" \
+    MLFLOW_TRACKING_PASSWORD="$RLHF_MLFLOW_PASSWORD" \
+    "$BIN/prefect" worker start --pool "$POOL" --type process --name "$POOL-$(hostname)"
+  sleep 2
+  alive worker || die "the worker exited; see $LOGS/worker.log"
+  say "worker on pool $POOL (log $LOGS/worker.log)"
+}
+
+# ---------------------------------------------------------------------------------------------------- commands
+cmd_env() {
+  cat <<EOF
+export PREFECT_API_URL=http://$HOST:$PREFECT_PORT/api
+export PREFECT_API_AUTH_STRING='$RLHF_PREFECT_AUTH'
+export MLFLOW_TRACKING_URI=http://$HOST:$MLFLOW_PORT
+export MLFLOW_TRACKING_USERNAME='$RLHF_MLFLOW_USER'
+export MLFLOW_TRACKING_PASSWORD='$RLHF_MLFLOW_PASSWORD'
+export AWS_ACCESS_KEY_ID='$RLHF_S3_KEY_ID'
+export AWS_SECRET_ACCESS_KEY='$RLHF_S3_SECRET'
+export RLHF_S3_ENDPOINT=http://$HOST:$S3_PORT
+export RLHF_DVC_REMOTE=s3://$DVC_BUCKET
+EOF
+}
+
+cmd_status() {
+  local name state url
+  for name in "${SERVICES[@]}"; do
+    case $name in
+      postgres) url="$HOST:$PG_PORT"; if [[ -f $PGDATA/PG_VERSION ]] && as_pg "$(pg_bin)/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then state=running; else state=stopped; fi ;;
+      s3) url="http://$HOST:$S3_PORT" ;;
+      mlflow) url="http://$HOST:$MLFLOW_PORT" ;;
+      prefect) url="http://$HOST:$PREFECT_PORT" ;;
+      worker) url="pool $POOL" ;;
+    esac
+    [[ $name == postgres ]] || { if alive "$name"; then state=running; else state=stopped; fi; }
+    printf '%-9s %-8s %s\n' "$name" "$state" "$url"
+  done
+  echo "logs: $LOGS"
+}
+
+start_one() {
+  case $1 in
+    postgres) start_postgres ;; s3) start_s3 ;; mlflow) start_mlflow ;; prefect) start_prefect ;;
+    worker) start_worker ;; *) die "unknown service '$1': expected one of ${SERVICES[*]}" ;;
+  esac
+}
+
+main() {
+  local command=${1:-}
+  case $command in
+    up)
+      check_settings; load_secrets
+      start_postgres; start_s3; start_mlflow; start_prefect; start_worker
+      say "up; logs in $LOGS. Point the pipeline here with: eval \"\$(infra/stack.sh env)\"" ;;
+    down)
+      load_secrets
+      for name in worker prefect mlflow s3 postgres; do stop_service "$name"; done ;;
+    status) load_secrets; cmd_status ;;
+    env) check_settings; load_secrets; cmd_env ;;
+    start) check_settings; load_secrets; start_one "${2:?start SERVICE}" ;;
+    stop) load_secrets; [[ " ${SERVICES[*]} " == *" ${2:-?} "* ]] || die "unknown service '${2:-}': expected one of ${SERVICES[*]}"
+          stop_service "$2" ;;
+    reset) load_secrets; for name in worker prefect mlflow s3 postgres; do stop_service "$name"; done; rm -rf "$STATE"
+           say "state folder $STATE deleted" ;;
+    *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; [[ -z $command || $command == help || $command == -h ]] || exit 2 ;;
+  esac
+}
+
+main "$@"
