@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlhf_core import chat
 from rlhf_core.jsonio import read_json_object, read_jsonl
 from tasks.common.registry import registry_verdict
 
@@ -62,7 +63,7 @@ def evaluation(root: Path) -> str | None:
         scores = ["score_rm", "ref_score_rm", *gold]
         parts.append(f"\n## First {len(rows)} completions (reports/eval/completions.jsonl)\n")
         parts.append(markdown_table(["prompt", "policy", "reference", *(s.replace("score_", "") for s in scores)],
-                                    [[r.get("prompt"), r.get("completion"), r.get("ref_completion"),
+                                    [[chat.as_text(r.get("prompt", "")), r.get("completion"), r.get("ref_completion"),
                                       *(r.get(s) for s in scores)] for r in rows]))
     return "\n".join(parts) + "\n"
 

@@ -109,6 +109,11 @@ def read_jsonl(path: str | Path, text_columns: Iterable[str] = ()) -> list[dict]
             if not isinstance(row, dict):
                 raise JsonFileError(f"{path}: line {number} is {type(row).__name__}, expected a JSON object")
             rows.append(row)
+    return require_text(rows, path, text_columns)
+
+
+def require_text(rows: list[dict], path: str | Path, text_columns: Iterable[str]) -> list[dict]:
+    """`rows`, once every row has a string in each of `text_columns` (else a JsonFileError naming the row)."""
     columns = list(text_columns)
     for number, row in enumerate(rows, 1):
         missing = [c for c in columns if not isinstance(row.get(c), str)]

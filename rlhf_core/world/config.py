@@ -35,6 +35,10 @@ class WorldConfig:
     teach the reward model to check a summary against its post, the check an RL policy otherwise exploits.
     Off by default: at 0.25 the demo's tiny reward model does not learn the check and its gold accuracy falls
     to ~0.71; its `eval/misstated_accuracy` reports the blind spot instead."""
+    conversational: bool = False
+    """rows in TRL's conversational format: the prompt as a system and a user message (the post), every summary
+    as an assistant message; the world tokenizer then carries a chat template. The posts and the gold reward are
+    the same as in the plain world."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -48,6 +48,7 @@ from rlhf_core.world.vocabulary import (
 )
 
 ASK_PROBABILITY = 0.6
+SYSTEM_PROMPT = "Summarize the post in one line."  # the conversational variant's system message
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ _ROW_BUILDERS = {"prompts_eval": _eval_row, "sft_eval": _sft_row, "prefs_eval": 
                  "prompts_train": _prompt_row, "sft_train": _sft_row, "prefs_train": _preference_row}
 
 
-def build_world(seed: int, config: WorldConfig | None = None) -> dict[str, list[dict[str, str]]]:
+def build_world(seed: int, config: WorldConfig | None = None) -> dict[str, list[dict]]:
     """All splits of the demo world; the same seed and config give identical rows.
 
     Every split draws from its own generator (seeded by seed and split name) and no two rows of any
@@ -265,15 +266,24 @@ def build_world(seed: int, config: WorldConfig | None = None) -> dict[str, list[
             row = _ROW_BUILDERS[split](_fresh_post(rng, seen), rng, config)
             if row is not None:
                 rows.append(row)
-        world[split] = rows
+        world[split] = [as_conversation(row) for row in rows] if config.conversational else rows
     return world
 
 
-def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset()) -> list[dict[str, str]]:
+def as_conversation(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+    """A row in TRL's conversational format: the prompt as system + user messages, each answer as an
+    assistant message (its text unchanged, leading space included)."""
+    out = {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]}
+    out.update({k: [{"role": "assistant", "content": v}] for k, v in row.items() if k != "prompt"})
+    return out
+
+
+def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset(), conversational: bool = False) -> list[dict]:
     """`n` probe pairs {prompt, chosen: the reference, rejected: it with one misstated fact (`swap_fact`)}.
 
     They measure whether a reward model checks a summary against its post, the check an RL policy
-    exploits when it is missing. Posts are fresh (prompts in `exclude`, e.g. the training splits', are skipped).
+    exploits when it is missing. Posts are fresh (prompts in `exclude`, e.g. the training splits' post texts, are
+    skipped); `conversational` gives them in the conversational variant's format.
     """
     rng, seen = random.Random(f"tldr-world/{seed}/misstated"), set(exclude)
     rows = []
@@ -282,4 +292,4 @@ def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset()) -> list[
         reference = reference_draft(post, rng)
         rows.append({"prompt": post.prompt, "chosen": reference.render(),
                      "rejected": swap_fact(post, reference, rng).render()})
-    return rows
+    return [as_conversation(row) for row in rows] if conversational else rows

@@ -2,7 +2,10 @@
 
 A suite is a list of GX expectations built from the kind, the columns the frame has and the token budgets.
 Token lengths are not something GX can measure, so the frame gets a `<column>_tokens` column (counts of the
-policy tokenizer) that a plain `ExpectColumnValuesToBeBetween` bounds. Rows are numbered from 1 (the frame's
+policy tokenizer, of the text the chat template renders for a conversation) that a plain
+`ExpectColumnValuesToBeBetween` bounds. Conversations (TRL's message lists) get the same treatment: their structure
+becomes plain columns (`<column>_roles`, `<column>_blank_messages`, `formats`) that regex, range and set
+expectations check. Rows are numbered from 1 (the frame's
 index), so every unexpected row GX reports is the row number a user finds in the file. Values that are not
 strings reach GX as their JSON text (tasks/stages/validate.py reports them with a plain check): GX fingerprints and
 hashes every value, and a raw JSON list would crash it.
@@ -11,7 +14,7 @@ hashes every value, and a raw JSON list would crash it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -30,6 +33,7 @@ class TokenBudget:
     tokenizer: object | None  # None: lengths are not checked (the report says so)
     max_prompt_tokens: int
     max_completion_tokens: int
+    template_kwargs: Mapping = field(default_factory=dict)  # prepare.chat_template_kwargs
 
     def limit(self, column: str) -> int:
         return self.max_prompt_tokens if column == "prompt" else self.max_completion_tokens
@@ -40,14 +44,21 @@ def text_columns(kind: str, frame: pd.DataFrame) -> list[str]:
     return [c for c in REQUIRED[kind] + OPTIONAL[kind] if c in frame.columns]
 
 
-def with_token_counts(frame: pd.DataFrame, columns: Sequence[str], tokenizer) -> pd.DataFrame:
-    """The frame plus `<column>_tokens`: token counts of the string values (null elsewhere)."""
+# A prompt: an optional system message, then user and assistant turns alternating, the last from the user.
+PROMPT_ROLES = r"^(system,)?user(,assistant,user)*$"
+ANSWER_ROLES = r"^assistant(,assistant)*$"  # the conversation before an answer belongs in `prompt`
+SAME_FORMAT = {"text", "messages"}  # every text column of a row: all text or all messages
+
+
+def with_token_counts(frame: pd.DataFrame, texts: Mapping[str, Sequence[str | None]], tokenizer) -> pd.DataFrame:
+    """The frame plus `<column>_tokens`: token counts of each column's texts (aligned with the frame's rows;
+    null where a value has no text)."""
     frame = frame.copy()
-    for column in columns:
-        is_text = frame[column].map(lambda v: isinstance(v, str))
-        texts = frame.loc[is_text, column].tolist()
-        counts = [len(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]] if texts else []
-        frame[f"{column}_tokens"] = pd.Series(counts, index=frame.index[is_text], dtype="Int64")
+    for column, values in texts.items():
+        present = [i for i, v in enumerate(values) if isinstance(v, str)]
+        batch = [values[i] for i in present]
+        counts = [len(ids) for ids in tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]] if batch else []
+        frame[f"{column}_tokens"] = pd.Series(counts, index=frame.index[present], dtype="Int64")
     return frame
 
 
@@ -66,6 +77,23 @@ def build_suite(kind: str, frame: pd.DataFrame, budget: TokenBudget) -> list:
                 column=f"{c}_tokens", min_value=0, max_value=budget.limit(c),
                 description=f"`{c}` has at most {budget.limit(c)} tokens (policy tokenizer)"))
     present = set(frame.columns)
+    for c in text_columns(kind, frame):
+        if f"{c}_roles" in present:
+            regex, what = (PROMPT_ROLES, "an optional system message, then user and assistant turns alternating, "
+                           "the last from the user") if c == "prompt" else \
+                (ANSWER_ROLES, "assistant messages only (the conversation before it belongs in `prompt`)")
+            suite += [
+                gxe.ExpectColumnValuesToMatchRegex(column=f"{c}_roles", regex=regex,
+                                                   description=f"`{c}` as messages: {what}"),
+                gxe.ExpectColumnValuesToBeBetween(column=f"{c}_blank_messages", min_value=0, max_value=0,
+                                                  description=f"every message of `{c}` has non-blank text content"),
+            ]
+    if "formats" in present:
+        answers = [c for c in text_columns(kind, frame) if c != "prompt"]
+        suite.append(gxe.ExpectColumnValuesToBeInSet(
+            column="formats", value_set=sorted(SAME_FORMAT),
+            description=f"{', '.join(f'`{c}`' for c in answers)} answer the row's own `prompt` in its format "
+                        "(all text, or all messages)"))
     if kind == "prompts" and "prompt" in present:
         # RL and evaluation prompts are drawn once each: a repeat skews both
         suite.append(gxe.ExpectColumnValuesToBeUnique(column="prompt", description="each `prompt` appears once"))

@@ -60,6 +60,12 @@ class PrepareParams(_Section):
     """Rows whose prompt is longer are dropped (and counted)."""
     max_completion_tokens: int = Field(64, gt=0)
     """Rows whose completion (or chosen/rejected) is longer are dropped (and counted)."""
+    chat_template: str | None = None
+    """Conversational data (TRL's format: messages as lists of {role, content}): a Jinja file to set as the
+    tokenizer's chat template, for a tokenizer that has none (a chat model's tokenizer has its own)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the chat template (TRL's `chat_template_kwargs`, e.g. {enable_thinking: false}); every
+    stage renders conversations with them."""
 
 
 class TinyModelParams(_Section):

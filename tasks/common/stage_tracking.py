@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlhf_core import chat
 from rlhf_core.jsonio import read_jsonl
 from rlhf_core.tracking import FanOutTracker, Tracker
 from tasks.common.dvc_yaml import entry_paths, stage_entry
@@ -124,7 +125,8 @@ def _log_table(run: MlflowStageRun, path: Path, artifact_file: str) -> None:
 
 
     def log() -> None:
-        rows = read_jsonl(path)[:MAX_TABLE_ROWS]
+        rows = [{k: chat.as_text(v) if chat.is_conversation(v) else v for k, v in row.items()}  # messages as lines
+                for row in read_jsonl(path)[:MAX_TABLE_ROWS]]
         run.client.log_table(run.run_id, data=pd.DataFrame(rows), artifact_file=artifact_file)
 
     run.tracker.safely("log table", log)

@@ -3,11 +3,13 @@ model and, in the demo world, by the gold reward; metrics, a per-example table a
 
 from __future__ import annotations
 
+from rlhf_core import chat
 from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_json, read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
+from tasks.common.datasets import read_split
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
 from tasks.common.paths import Paths
@@ -19,7 +21,7 @@ def run(params: Params, paths: Paths) -> dict:
     cfg = params.evaluate
     runtime = Runtime(params.runtime)
     tokenizer = load_tokenizer(paths.policy)
-    prompts = [row["prompt"] for row in read_jsonl(paths.split("prompts_eval"))[:cfg.num_prompts]]
+    prompts = [row["prompt"] for row in read_split(paths, "prompts_eval", tokenizer, params)[:cfg.num_prompts]]
     policy, reference = runtime.load_frozen(load_policy, paths.policy), runtime.load_frozen(load_policy, paths.sft_model)
     scorer = RewardModelScorer(runtime.load_frozen(load_scorer_model, paths.reward_model), batch_size=cfg.batch_size)
     with progress_bar("evaluate", total=2 * len(prompts)) as update, runtime.autocast():
@@ -27,6 +29,10 @@ def run(params: Params, paths: Paths) -> dict:
                           response_length=cfg.response_length, temperature=params.train.temperature,
                           gold=gold_fn(params), batch_size=cfg.batch_size,
                           on_batch=count_callback(update, "completions"))
+    stored = read_jsonl(paths.split("prompts_eval"))[:cfg.num_prompts]
+    for row, original in zip(report.rows, stored, strict=True):  # the table shows a conversation's messages
+        if chat.is_conversation(original["prompt"]):
+            row["prompt"] = original["prompt"]
     out = paths.reports / "eval"
     write_jsonl(out / "completions.jsonl", report.rows)
     history_file = paths.train_history

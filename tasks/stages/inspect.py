@@ -10,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf_core.config import InspectionConfig
-from rlhf_core.jsonio import atomic_path, read_jsonl, write_json
+from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.models import load_scorer_model, load_tokenizer
 from rlhf_core.reward_inspection.report import inspect_reward_model
 from rlhf_core.runtime import Runtime
+from tasks.common.datasets import read_rows
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 
@@ -25,13 +26,14 @@ class InspectionFailed(RuntimeError):
 
 
 def inspect_model(source: str | Path, cfg: InspectionConfig, runtime: Runtime, pairs: Path | None = None,
-                  prompts: Path | None = None) -> dict:
-    """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files, on the
-    runtime's device in its frozen dtype (as RL and evaluation score with it)."""
+                  prompts: Path | None = None, template_kwargs: dict | None = None) -> dict:
+    """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files (text or
+    conversations, rendered by its tokenizer's chat template), on the runtime's device in its frozen dtype (as RL
+    and evaluation score with it)."""
     model = runtime.load_frozen(load_scorer_model, source)
     tokenizer = load_tokenizer(source)
-    pair_rows = read_jsonl(pairs, text_columns=("prompt", "chosen", "rejected")) if pairs else []
-    prompt_rows = read_jsonl(prompts, text_columns=("prompt",)) if prompts else []
+    pair_rows = read_rows(pairs, tokenizer, template_kwargs, ("prompt", "chosen", "rejected")) if pairs else []
+    prompt_rows = read_rows(prompts, tokenizer, template_kwargs, ("prompt",)) if prompts else []
     report = inspect_reward_model(model, tokenizer, pairs=pair_rows, prompts=prompt_rows, cfg=cfg)
     report["source"] = str(source)
     return report
@@ -63,7 +65,8 @@ def metrics(report: dict) -> dict:
 def run(params: Params, paths: Paths) -> dict:
     out = paths.root / REPORT_DIR
     report = inspect_model(paths.reward_model, params.inspect, Runtime(params.runtime),
-                           pairs=paths.split("prefs_eval"), prompts=paths.split("prompts_eval"))
+                           pairs=paths.split("prefs_eval"), prompts=paths.split("prompts_eval"),
+                           template_kwargs=params.prepare.chat_template_kwargs)
     report["source"] = "models/reward"
     write_report(report, out)
     result = metrics(report)

@@ -3,13 +3,18 @@
 Reads the built-in world or real sources (local JSONL / Parquet, saved datasets, hub ids), normalizes
 rows to the canonical schema, drops exact duplicates and over-long rows (counting both), and writes
 `data/<split>.jsonl` plus `models/tokenizer/`.
+
+Conversational rows (TRL's format) stay messages in `data/`; their token lengths are those of the text the
+chat template renders (rlhf_core/chat.py), which the tokenizer saved here carries to every later stage.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
+from rlhf_core import chat
 from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.models import load_tokenizer
 from rlhf_core.sources import load_rows
@@ -25,19 +30,34 @@ ALIASES = {"query": "prompt", "post": "prompt", "summary": "completion", "respon
 
 
 def normalize(rows: Sequence[dict], kind: str) -> list[dict]:
-    """Rename known aliases and keep the canonical columns (plus `reference` for prompts)."""
+    """Rename known aliases, convert TRL's other conversational layouts, and keep the canonical columns (plus
+    `reference` for prompts)."""
     keep = SCHEMA[kind] + (("reference",) if kind == "prompts" else ())
     out = []
     for row in rows:
         renamed = {ALIASES.get(k, k): v for k, v in row.items()}
-        out.append({k: renamed[k] for k in keep if k in renamed})
+        out.append({k: renamed[k] for k in keep if k in _explicit_prompt(renamed, kind)})
     return out
+
+
+def _explicit_prompt(row: dict, kind: str) -> dict:
+    """TRL's language-modeling rows (`messages`) and implicit-prompt pairs (the conversation repeated in
+    `chosen` and `rejected`) with the prompt in its own column; other rows unchanged."""
+    if "prompt" in row:
+        return row
+    if kind == "sft" and chat.is_conversation(row.get("messages")):
+        prompt, completion = chat.split_conversation(row["messages"])
+        return {**row, "prompt": prompt, "completion": completion}
+    if kind == "prefs" and chat.is_conversation(row.get("chosen")) and chat.is_conversation(row.get("rejected")):
+        prompt, chosen, rejected = chat.extract_shared_prompt(row["chosen"], row["rejected"])
+        return {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return row
 
 
 def dedupe(rows: Sequence[dict]) -> list[dict]:
     seen, out = set(), []
     for row in rows:
-        key = tuple(sorted(row.items()))
+        key = tuple(sorted((k, chat.key(v)) for k, v in row.items()))
         if key not in seen:
             seen.add(key)
             out.append(row)
@@ -45,12 +65,13 @@ def dedupe(rows: Sequence[dict]) -> list[dict]:
 
 
 def length_filter(rows: Sequence[dict], tokenizer, cfg: PrepareParams) -> list[dict]:
-    """Drop rows whose prompt or completion texts exceed the token budgets."""
+    """Drop rows whose prompt or completion texts (as the chat template renders them) exceed the token budgets."""
     limits = {"prompt": cfg.max_prompt_tokens}
-    limits.update({k: cfg.max_completion_tokens for k in ("completion", "chosen", "rejected", "reference")})
+    limits.update({k: cfg.max_completion_tokens for k in chat.ANSWER_COLUMNS})
     def fits(row: dict) -> bool:
+        rendered = chat.render_row(row, tokenizer, cfg.chat_template_kwargs)
         return all(len(tokenizer(v, add_special_tokens=False)["input_ids"]) <= limits[k]
-                   for k, v in row.items() if k in limits and isinstance(v, str))
+                   for k, v in rendered.items() if k in limits and isinstance(v, str))
     return [row for row in rows if fits(row)]
 
 
@@ -68,22 +89,37 @@ def source_splits(cfg: PrepareParams, seed: int) -> dict[str, list[dict]]:
     prompts = normalize(load_rows(cfg.prompts), "prompts") if cfg.prompts else \
         [{"prompt": r["prompt"], "reference": r["completion"]} for r in sft]
     rng = random.Random(seed)
-    held_out = {p for p in {r["prompt"] for r in prompts} if rng.random() < cfg.eval_fraction}
-    split = lambda rows: ([r for r in rows if r["prompt"] not in held_out],  # noqa: E731
-                          [r for r in rows if r["prompt"] in held_out])
+    unique_prompts = dict.fromkeys(chat.key(r["prompt"]) for r in prompts)  # first-seen order: seeded draws
+    held_out = {p for p in unique_prompts if rng.random() < cfg.eval_fraction}
+    split = lambda rows: ([r for r in rows if chat.key(r["prompt"]) not in held_out],  # noqa: E731
+                          [r for r in rows if chat.key(r["prompt"]) in held_out])
     (sft_train, sft_eval), (prefs_train, prefs_eval), (prompts_train, prompts_eval) = map(split, (sft, prefs, prompts))
     return {"sft_train": sft_train, "sft_eval": sft_eval, "prefs_train": prefs_train, "prefs_eval": prefs_eval,
             "prompts_train": [{"prompt": r["prompt"]} for r in prompts_train], "prompts_eval": prompts_eval}
 
 
-def run(params: Params, paths: Paths) -> dict:
-    cfg = params.prepare
-    splits = world_splits(params) if cfg.source == "world" else source_splits(cfg, params.base.seed)
+def make_tokenizer(cfg: PrepareParams, splits: dict[str, list[dict]]):
+    """The pipeline's tokenizer: `prepare.tokenizer`, or one trained on the training texts (with the world's chat
+    template when the world is conversational); `prepare.chat_template` replaces its template."""
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
     else:
-        texts = [v for name in ("sft_train", "prefs_train") for row in splits[name] for v in row.values()]
-        tokenizer = train_tokenizer(texts, vocab_size=cfg.tokenizer_vocab_size)
+        texts = [text for name in ("sft_train", "prefs_train") for row in splits[name] for value in row.values()
+                 for text in ([m["content"] for m in value] if chat.is_conversation(value) else [value])]
+        tokenizer = train_tokenizer(texts, vocab_size=cfg.tokenizer_vocab_size,
+                                    chat=cfg.source == "world" and cfg.world.conversational)
+    if cfg.chat_template:
+        path = Path(cfg.chat_template)
+        if not path.is_file():
+            raise ValueError(f"prepare.chat_template: {path}: no such file; expected a Jinja chat template")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+    return tokenizer
+
+
+def run(params: Params, paths: Paths) -> dict:
+    cfg = params.prepare
+    splits = world_splits(params) if cfg.source == "world" else source_splits(cfg, params.base.seed)
+    tokenizer = make_tokenizer(cfg, splits)
     report = {}
     for name in SPLITS:
         rows = splits[name]

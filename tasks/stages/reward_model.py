@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlhf_core import chat
 from rlhf_core.jsonio import read_jsonl, write_json
 from rlhf_core.models import (
     load_policy,
@@ -13,6 +14,7 @@ from rlhf_core.models import (
 from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.world.generator import misstated_pairs
+from tasks.common.datasets import read_split
 from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.model_checks import check_reward_model, check_tokenizers
@@ -29,7 +31,7 @@ def run(params: Params, paths: Paths) -> dict:
     runtime.refuse_zero3("stage reward-model")
     load = runtime.load_kwargs
     tokenizer = load_tokenizer(paths.tokenizer)
-    train_rows, eval_rows = read_jsonl(paths.split("prefs_train")), read_jsonl(paths.split("prefs_eval"))
+    train_rows, eval_rows = read_split(paths, "prefs_train", tokenizer, params), read_split(paths, "prefs_eval", tokenizer, params)
     gold = gold_fn(params)
     if cfg.pretrained:  # evaluated as is: on the device, kept in its own dtype (it is saved as the reward model)
         check_reward_model(cfg.pretrained)
@@ -51,8 +53,11 @@ def run(params: Params, paths: Paths) -> dict:
     with runtime.autocast():
         metrics.update(evaluate_reward_model(model, tokenizer, eval_rows, gold, cfg=rm_cfg))
         if gold is not None:  # the world's blind-spot probe: reference vs the same summary, one fact misstated
-            seen = {row["prompt"] for row in train_rows + eval_rows}
-            probe = misstated_pairs(params.base.seed, len(eval_rows), exclude=seen)
+            seen = {chat.last_user_text(row["prompt"]) for split in ("prefs_train", "prefs_eval")
+                    for row in read_jsonl(paths.split(split))}  # the posts, whatever the format
+            probe = chat.render_rows(misstated_pairs(params.base.seed, len(eval_rows), exclude=seen,
+                                                     conversational=params.prepare.world.conversational),
+                                     tokenizer, params.prepare.chat_template_kwargs)
             metrics["eval/misstated_accuracy"] = evaluate_reward_model(model, tokenizer, probe,
                                                                        cfg=rm_cfg)["eval/accuracy"]
     save_model(model, tokenizer, paths.reward_model)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from rlhf_core.jsonio import read_jsonl, write_json
+from rlhf_core.jsonio import write_json
 from rlhf_core.models import load_policy, load_tokenizer, save_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.sft_trainer import evaluate_sft, train_sft
+from tasks.common.datasets import read_split
 from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.params import Params
@@ -19,15 +20,15 @@ def run(params: Params, paths: Paths) -> dict:
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     runtime.refuse_zero3("stage sft")
     tokenizer = load_tokenizer(paths.tokenizer)
-    eval_rows = read_jsonl(paths.split("sft_eval"))
-    prompt_rows = read_jsonl(paths.split("prompts_eval"))
+    eval_rows = read_split(paths, "sft_eval", tokenizer, params)
+    prompt_rows = read_split(paths, "prompts_eval", tokenizer, params)
     if cfg.pretrained:  # evaluated as is: on the device, kept in its own dtype (it is saved as the SFT policy)
         model, metrics = load_policy(cfg.pretrained, **runtime.load_kwargs).to(runtime.device), {}
     else:
         model = load_policy(cfg.base_model, **runtime.load_kwargs) if cfg.base_model else tiny_policy(params, tokenizer)
         with progress_bar("sft", total=cfg.epochs, enabled=runtime.is_main_process) as update:
             result = train_sft(params.sft_config(), runtime.trainable(model), tokenizer,
-                               read_jsonl(paths.split("sft_train")), eval_rows, accelerator=runtime.accelerator,
+                               read_split(paths, "sft_train", tokenizer, params), eval_rows, accelerator=runtime.accelerator,
                                progress=epoch_callback(update, cfg.epochs))
         model, metrics = result.model, {"train_seconds": result.train_seconds}
     runtime.accelerator.wait_for_everyone()

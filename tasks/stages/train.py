@@ -32,6 +32,7 @@ from rlhf_core.scoring import (
 )
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
+from tasks.common.datasets import read_split
 from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.guards import NonFiniteGuard
@@ -136,7 +137,7 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
         value = load_scorer_model(paths.reward_model, **load) if params.train.value_model_init == "reward" \
             else reward_model_from_policy(policy, seed=params.base.seed)
         value = runtime.trainable(value)
-    texts = [r["prompt"] for r in read_jsonl(paths.split("prompts_train"))]
+    texts = [r["prompt"] for r in read_split(paths, "prompts_train", tokenizer, params)]
     max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     gold = gold_fn(params)  # the demo world's true reward, logged as monitor/gold beside the proxy's score

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhf_core import chat
 from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.sources import SourceError, load_rows
 from tasks.common.gx_suites import (
@@ -73,16 +74,53 @@ def _is_null(value) -> bool:
 
 def to_frame(rows: list[dict], kind: str) -> tuple[pd.DataFrame, list[dict]]:
     """The kind's text columns as a frame whose index is the row number (from 1), and the plain check that
-    every value is a string; other values (numbers, lists) reach GX as their JSON text."""
+    every value is text or a conversation (TRL's list of {role, content} messages); other values (numbers, odd
+    lists) reach GX as their JSON text. A conversational dataset also gets its structure as plain columns:
+    `<column>_roles`, `<column>_blank_messages` and the row's `formats` (all text, all messages, or mixed)."""
     frame = pd.DataFrame(rows, index=pd.RangeIndex(1, len(rows) + 1), dtype=object)
     columns = text_columns(kind, frame)
     frame = frame[columns]
+    conversational = any(chat.is_conversation(v) for c in columns for v in frame[c])
     checks = []
     for column in columns:
-        bad = [(row, v) for row, v in frame[column].items() if not (_is_null(v) or isinstance(v, str))]
-        checks.append(entry("values_are_strings", f"`{column}` is a string", column, bad))
-        frame[column] = [None if _is_null(v) else v if isinstance(v, str) else json.dumps(v) for v in frame[column]]
+        values = frame[column].tolist()
+        bad = [(row, v) for row, v in zip(frame.index, values, strict=True)
+               if not (_is_null(v) or chat.value_format(v) != "invalid")]
+        checks.append(entry("values_are_text_or_messages",
+                            f"`{column}` is a string or a list of {{role, content}} messages", column, bad))
+        frame[column] = [None if _is_null(v) else v if isinstance(v, str) else json.dumps(v) for v in values]
+        if conversational:
+            frame[f"{column}_roles"] = [chat.roles(v) for v in values]
+            frame[f"{column}_blank_messages"] = pd.Series([chat.blank_messages(v) for v in values],
+                                                          index=frame.index, dtype="Int64")
+    if conversational and len(columns) > 1:
+        frame["formats"] = [_row_format([row.get(c) for c in columns]) for row in rows]
     return frame, checks
+
+
+def _row_format(values: list) -> str | None:
+    """"text" or "messages" when a row's present values share that format, else what they are ("text/messages")."""
+    formats = [chat.value_format(v) for v in values if not _is_null(v)]
+    if not formats:
+        return None
+    return formats[0] if len(set(formats)) == 1 else "/".join(formats)
+
+
+def rendered_texts(rows: list[dict], columns: list[str], budget: TokenBudget) -> tuple[dict[str, list], dict]:
+    """Each column's values as the policy reads them (conversations through the tokenizer's chat template), and
+    the plain check that every conversation renders."""
+    texts: dict[str, list] = {c: [] for c in columns}
+    failed = []
+    for number, row in enumerate(rows, 1):
+        try:
+            rendered = chat.render_row({c: row.get(c) for c in columns}, budget.tokenizer, budget.template_kwargs)
+        except Exception as err:  # noqa: BLE001 - Jinja and templates raise anything; the report says what
+            rendered = {}
+            failed.append((number, f"{type(err).__name__}: {err}"))
+        for c in columns:
+            texts[c].append(rendered.get(c))
+    check = entry("conversations_render", "conversations render with the tokenizer's chat template", "", failed)
+    return texts, check
 
 
 def leakage_checks(frames: Mapping[str, pd.DataFrame]) -> dict[str, dict]:
@@ -120,7 +158,10 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
         frame, plain[name] = to_frame(rows, kind)
         frames[name] = frame
         if budget.tokenizer is not None:
-            frame = with_token_counts(frame, frame.columns, budget.tokenizer)
+            texts, rendering = rendered_texts(rows, text_columns(kind, frame), budget)
+            frame = with_token_counts(frame, texts, budget.tokenizer)
+            if any(c.endswith("_roles") for c in frame.columns):  # conversational: rendering is a check too
+                plain[name].append(rendering)
         batches[name] = (frame, build_suite(kind, frame, budget))
         reports[name]["rows"] = len(rows)
     results = run_suites(batches) if batches else {}
@@ -212,7 +253,8 @@ def run(params: Params, paths: Paths) -> dict:
     from rlhf_core.models import load_tokenizer
 
     cfg = params.prepare
-    budget = TokenBudget(load_tokenizer(paths.tokenizer), cfg.max_prompt_tokens, cfg.max_completion_tokens)
+    budget = TokenBudget(load_tokenizer(paths.tokenizer), cfg.max_prompt_tokens, cfg.max_completion_tokens,
+                         cfg.chat_template_kwargs)
     datasets = {name: (paths.split(name), kind_of_split(name)) for name in SPLITS}
     report = validate_files(datasets, budget, cross_split=True, root=paths.root)
     out = paths.reports / REPORT_DIR
@@ -239,8 +281,13 @@ def check_file(path: str | Path, kind: str, tokenizer: str | None = None, max_pr
         raise ValidateError(str(err)) from None
     max_prompt_tokens = max_prompt_tokens or cfg.max_prompt_tokens
     name = None if skip_token_lengths else tokenizer or pipeline_tokenizer(cfg, max_prompt_tokens)
-    budget = TokenBudget(_load_tokenizer(name) if name else None, max_prompt_tokens,
-                         max_completion_tokens or cfg.max_completion_tokens)
+    loaded = _load_tokenizer(name) if name else None
+    if loaded is not None and cfg.chat_template and not getattr(loaded, "chat_template", None):
+        template = Path(cfg.chat_template)  # what `prepare` gives the pipeline's tokenizer
+        if template.is_file():
+            loaded.chat_template = template.read_text(encoding="utf-8")
+    budget = TokenBudget(loaded, max_prompt_tokens, max_completion_tokens or cfg.max_completion_tokens,
+                         cfg.chat_template_kwargs)
     path = Path(path)
     report = validate_files({path.stem: (path, kind)}, budget)
     unreadable = [c["error"] for c in report["datasets"][0]["checks"] if c["expectation"] == "file_is_readable"]
