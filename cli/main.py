@@ -133,6 +133,7 @@ def run(profile: Profile = None, overrides: Overrides = None,
     except ParamsError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+    _check_servers()  # a PREFECT_API_URL or MLFLOW_TRACKING_URI that does not answer fails now, before any stage
     _say_local_edits(root)
     use_local_prefect(root)
     quiet_libraries()
@@ -153,6 +154,16 @@ def run(profile: Profile = None, overrides: Overrides = None,
         typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
         raise typer.Exit(1)
     print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
+
+
+def _check_servers(prefect_only: bool = False) -> None:
+    from flows.servers import ServerUnreachable, check_prefect, check_servers
+
+    try:
+        check_prefect() if prefect_only else check_servers()
+    except ServerUnreachable as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _say_local_edits(root) -> None:
@@ -188,6 +199,7 @@ def serve() -> None:
         typer.echo("error: PREFECT_API_URL is not set. Start a server with `prefect server start` and "
                    "`export PREFECT_API_URL=http://127.0.0.1:4200/api`, then run `rlhf serve` again.", err=True)
         raise typer.Exit(2)
+    _check_servers(prefect_only=True)
     from flows.deployments import serve_deployments
     from flows.prefect_env import use_local_prefect
     from tasks.common.progress import quiet_libraries

@@ -13,7 +13,14 @@ from pathlib import Path
 
 from rlhf_core.jsonio import read_json_object
 from tasks.common.lineage import lineage_tags
-from tasks.common.mlflow_store import LOCAL_UI_ENV, experiment_id, get_client, tracking_enabled, tracking_uri
+from tasks.common.mlflow_store import (
+    LOCAL_UI_ENV,
+    TrackingError,
+    experiment_id,
+    get_client,
+    tracking_enabled,
+    tracking_uri,
+)
 from tasks.common.mlflow_tracker import MlflowTracker
 from tasks.common.params import Params, load_params
 from tasks.common.stage_tracking import OVERRIDES_TAG
@@ -32,7 +39,12 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
     the experiment, so the stage processes that follow never race to create them."""
     if not tracking_enabled():
         return ""
+    from flows.servers import ServerUnreachable, check_mlflow
 
+    try:  # a tracking server that does not answer fails the run here, before any stage, in one short request
+        check_mlflow()
+    except ServerUnreachable as err:
+        raise TrackingError(str(err)) from None
     root = Path(root).resolve()
     params = load_params(root, profile, list(overrides))
     client = get_client(root)

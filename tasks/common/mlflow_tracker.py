@@ -1,6 +1,12 @@
 """`rlhf_core.tracking.Tracker` on one MLflow run: params and metrics flattened, metrics sent in batches.
 
 Logging never fails a stage: after a stage has started, MLflow errors are logged as warnings.
+
+Against a tracking server (http), metric batches go out from a background thread that retries each one until
+it gets through, in order: training never waits on the network, and a server that drops for a while (a
+restart, a network blip) loses no metric. `close()` waits for the buffer to drain for up to
+RLHF_MLFLOW_RETRY_S seconds (default 600), then says how many metrics were lost. A local sqlite store is written
+in the caller's thread, as before.
 """
 
 from __future__ import annotations
@@ -8,7 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +26,12 @@ from tasks.common.params import flatten
 
 log = logging.getLogger(__name__)
 
+RETRY_ENV = "RLHF_MLFLOW_RETRY_S"  # how long close() waits for buffered metrics to reach a server that is down
+DEFAULT_RETRY_S = 600.0
+MAX_BACKOFF_S = 15.0
+# MLflow error codes a retry cannot fix: the batch is dropped (and said so) rather than retried for ever
+_PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "PERMISSION_DENIED",
+              "UNAUTHENTICATED", "BAD_REQUEST"}
 FLUSH_EVERY = 10  # updates per log_batch: one round trip instead of ~50 per update (a server: 4.6 s / 50 calls)
 # MLflow's own limits per log_batch call
 _MAX_PARAMS_PER_BATCH = 100
@@ -41,13 +56,14 @@ class MlflowTracker:
     every `flush_every` steps and at `close()`. Errors are logged, never raised: a broken store must not
     stop a training run."""
 
-    def __init__(self, client, run_id: str, flush_every: int = FLUSH_EVERY):
+    def __init__(self, client, run_id: str, flush_every: int = FLUSH_EVERY, background: bool = False):
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
         self.errors = 0
         self.last_step = 0
         self.logged: set[str] = set()  # metric keys with a history already
         self._pending: list = []
         self._steps = 0
+        self._sender = _Sender(client, run_id) if background else None
 
     def safely(self, what: str, fn: Callable, *args, **kwargs) -> None:
         try:
@@ -83,8 +99,106 @@ class MlflowTracker:
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), _MAX_METRICS_PER_BATCH):
-            self.safely("log metrics", self.client.log_batch, self.run_id,
-                         metrics=pending[start:start + _MAX_METRICS_PER_BATCH], synchronous=True)
+            batch = pending[start:start + _MAX_METRICS_PER_BATCH]
+            if self._sender is not None:
+                self._sender.put(batch)
+            else:
+                self.safely("log metrics", self.client.log_batch, self.run_id, metrics=batch, synchronous=True)
 
     def close(self) -> None:
         self.flush()
+        if self._sender is not None:
+            lost = self._sender.drain(retry_seconds())
+            if lost:
+                self.errors += 1
+                log.error("MLflow: %d metrics of run %s not sent: the server did not take them within %s s (%s)",
+                          lost, self.run_id, retry_seconds(), RETRY_ENV)
+
+
+def retry_seconds() -> float:
+    raw = os.environ.get(RETRY_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_RETRY_S
+    except ValueError:
+        raise ValueError(f"{RETRY_ENV}={raw!r}: expected a number of seconds") from None
+
+
+def _permanent(err: Exception) -> bool:
+    return getattr(err, "error_code", None) in _PERMANENT
+
+
+class _Sender:
+    """One background thread that sends metric batches in order, each retried (backoff up to 15 s) until it
+    gets through; started on the first batch."""
+
+    def __init__(self, client, run_id: str):
+        self.client, self.run_id = client, run_id
+        self._queue: deque[list] = deque()
+        self._cond = threading.Condition()
+        self._busy = False  # a batch is being sent
+        self._closing = False
+        self._give_up_at = math.inf
+        self._lost = 0
+        self._thread: threading.Thread | None = None
+
+    def put(self, batch: list) -> None:
+        with self._cond:
+            self._queue.append(batch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"mlflow-metrics-{self.run_id[:8]}", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait until every batch is sent or `timeout_s` passes; returns the number of metrics not sent."""
+        with self._cond:
+            self._closing = True
+            self._give_up_at = time.monotonic() + timeout_s
+            self._cond.notify_all()
+            while (self._queue or self._busy) and time.monotonic() < self._give_up_at:
+                self._cond.wait(timeout=0.5)
+            self._lost += sum(len(batch) for batch in self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+            return self._lost
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                batch = self._queue[0]
+                self._busy = True
+            sent = self._send(batch)
+            with self._cond:
+                if self._queue and self._queue[0] is batch:
+                    self._queue.popleft()
+                    if not sent:
+                        self._lost += len(batch)
+                self._busy = False
+                self._cond.notify_all()
+
+    def _send(self, batch: list) -> bool:
+        delay, failures = 1.0, 0
+        while True:
+            try:
+                self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+                if failures:
+                    log.warning("MLflow: the server takes metrics of run %s again (after %d failed tries); "
+                                "nothing lost so far", self.run_id, failures)
+                return True
+            except Exception as err:
+                failures += 1
+                if _permanent(err):
+                    log.error("MLflow refused %d metrics of run %s (%s); they are dropped", len(batch), self.run_id, err)
+                    return False
+                if failures == 1:
+                    log.warning("MLflow: sending metrics of run %s failed (%s); they are kept and retried",
+                                self.run_id, str(err).splitlines()[0][:300])
+            with self._cond:
+                if time.monotonic() >= self._give_up_at:
+                    return False
+                self._cond.wait(timeout=min(delay, max(self._give_up_at - time.monotonic(), 0)))
+            delay = min(delay * 2, MAX_BACKOFF_S)

@@ -31,6 +31,7 @@ from tasks.common.mlflow_store import (
     asked_for_tracking,
     experiment_id,
     get_client,
+    is_remote,
     tracking_enabled,
     tracking_uri,
 )
@@ -56,7 +57,8 @@ class MlflowStageRun:
     tracker: MlflowTracker = field(init=False)
 
     def __post_init__(self):
-        self.tracker = MlflowTracker(self.client, self.run_id)
+        # a tracking server: metrics are buffered and retried from a background thread; a local store: in line
+        self.tracker = MlflowTracker(self.client, self.run_id, background=is_remote(self.uri))
 
 
 _current: ContextVar[MlflowStageRun | None] = ContextVar("rlhf_stage_run", default=None)

@@ -1,0 +1,235 @@
+"""The pipeline as a client of servers, without the server stack (these run in `make test`):
+
+- a `PREFECT_API_URL` or `MLFLOW_TRACKING_URI` that does not answer fails `rlhf run` (and the flow's MLflow run)
+  before any stage, with one message naming the variable; a URL's password never shows;
+- metrics logged to a tracking server that goes down and comes back are all there (buffered and retried in a
+  background thread), and training never waits on the dead server.
+
+The tracking server is MLflow's own server app (`mlflow.server.app`, the REST handlers `mlflow server` runs) on a
+sqlite store, served on a loopback port by werkzeug in a thread: stopping it closes the port (connection refused,
+as when a server process dies), and a new one on the same port is the restart, in milliseconds instead of the
+~10-20 s of a `mlflow server` process here. tests/test_server.py does the same to a real `mlflow server` process
+mid-training (`infra/stack.sh stop mlflow` / `start mlflow`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.servers import ServerUnreachable, check_mlflow, check_prefect, check_servers, redact
+from tasks.common.mlflow_tracker import MlflowTracker
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrackingServer:
+    """MLflow's tracking server app on a sqlite store, on a fixed loopback port; stop() and start() again."""
+
+    def __init__(self, db: Path, artifacts: Path):
+        self.port, self.db, self.artifacts = free_port(), db, artifacts
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+
+    def start(self) -> None:
+        from werkzeug.serving import make_server
+
+        from mlflow.server import app
+
+        self._server = make_server("127.0.0.1", self.port, app, threaded=True)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()  # the port is closed: clients get "connection refused"
+
+
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory, mlflow_db_template):
+    from mlflow.server import handlers
+
+    root = tmp_path_factory.mktemp("tracking-server")
+    shutil.copy(mlflow_db_template, root / "mlflow.db")
+    server = TrackingServer(root / "mlflow.db", root / "artifacts")
+    # the store the server app's handlers use (what `mlflow server --backend-store-uri` sets up)
+    saved = handlers._tracking_store
+    handlers._tracking_store = handlers._tracking_store_registry.get_store(f"sqlite:///{server.db}", str(server.artifacts))
+    server.start()
+    yield server
+    server.stop()
+    handlers._tracking_store = saved
+
+
+@pytest.fixture
+def fast_client(monkeypatch):
+    """No retries inside MLflow's HTTP client (it would retry a dead server for minutes in one call): what is
+    proven here is the tracker's own buffering and retrying."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
+def _new_run(url: str) -> tuple:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(url)
+    exp = client.create_experiment(f"retry-{time.monotonic_ns()}")
+    return client, client.create_run(exp).info.run_id
+
+
+def test_metrics_survive_a_tracking_server_that_drops_and_comes_back(tracking_server, fast_client, caplog):
+    client, run_id = _new_run(tracking_server.url)
+    tracker = MlflowTracker(client, run_id, flush_every=2, background=True)
+    keys = ("objective/kl", "objective/scores", "loss/policy_avg")
+    for step in range(1, 11):
+        tracker.log_metrics({k: step / 10 for k in keys}, step)
+    deadline = time.monotonic() + 10
+    while len(client.get_metric_history(run_id, "objective/kl")) < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(client.get_metric_history(run_id, "objective/kl")) == 10  # sent while the server was up
+
+    tracking_server.stop()
+    started = time.monotonic()
+    for step in range(11, 41):  # "training" goes on while the server is down
+        tracker.log_metrics({k: step / 10 for k in keys}, step)
+    assert time.monotonic() - started < 1.0, "log_metrics waited on the dead server"
+    time.sleep(2.5)  # retries fail meanwhile (connection refused); nothing is dropped
+    assert "they are kept and retried" in caplog.text
+    tracking_server.start()
+    tracker.close()  # waits until the buffer has drained
+
+    assert tracker.errors == 0
+    for key in keys:
+        history = client.get_metric_history(run_id, key)
+        assert sorted(m.step for m in history) == list(range(1, 41)), key
+        assert {m.step: m.value for m in history}[37] == pytest.approx(3.7)
+    assert "takes metrics of run" in caplog.text  # it said when the server came back
+
+
+def test_a_server_that_never_comes_back_is_reported_after_the_retry_window(tracking_server, fast_client,
+                                                                           monkeypatch, caplog):
+    client, run_id = _new_run(tracking_server.url)
+    monkeypatch.setenv("RLHF_MLFLOW_RETRY_S", "2")
+    tracker = MlflowTracker(client, run_id, flush_every=5, background=True)
+    tracking_server.stop()
+    try:
+        for step in range(1, 11):
+            tracker.log_metrics({"objective/kl": 0.1, "objective/scores": 1.0}, step)
+        started = time.monotonic()
+        tracker.close()
+        waited = time.monotonic() - started
+    finally:
+        tracking_server.start()
+    assert 1.5 < waited < 10, waited
+    assert tracker.errors == 1 and "20 metrics of run" in caplog.text and "RLHF_MLFLOW_RETRY_S" in caplog.text
+
+
+def test_a_local_store_is_written_in_line(mlflow_root):
+    """The local sqlite path is unchanged: no thread, each flush written before log_metrics returns."""
+    from tasks.common.mlflow_store import get_client
+    from tasks.common.stage_tracking import MlflowStageRun
+
+    client = get_client(mlflow_root)
+    run_id = client.create_run(client.create_experiment("local")).info.run_id
+    stage_run = MlflowStageRun(client, run_id, "0", f"sqlite:///{mlflow_root / 'mlflow.db'}")
+    assert stage_run.tracker._sender is None
+    threads = threading.active_count()
+    stage_run.tracker.log_metrics({"a": 1.0}, 1)
+    stage_run.tracker.flush()
+    assert len(client.get_metric_history(run_id, "a")) == 1 and threading.active_count() == threads
+    assert MlflowStageRun(client, run_id, "0", "http://127.0.0.1:5000").tracker._sender is not None
+
+
+# ------------------------------------------------------------------------------------------------ fail fast
+def _closed_port_url(path: str = "") -> str:
+    return f"http://127.0.0.1:{free_port()}{path}"  # nothing listens on it
+
+
+def test_run_fails_before_any_stage_on_an_unreachable_prefect_or_mlflow(workspace, monkeypatch):
+    import os
+
+    prefect_url, mlflow_url = _closed_port_url("/api"), _closed_port_url()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "RLHF_"))}
+    for variables, names in (({"PREFECT_API_URL": prefect_url}, ["PREFECT_API_URL"]),
+                             ({"MLFLOW_TRACKING_URI": mlflow_url}, ["MLFLOW_TRACKING_URI"]),
+                             ({"PREFECT_API_URL": prefect_url, "MLFLOW_TRACKING_URI": mlflow_url},
+                              ["PREFECT_API_URL", "MLFLOW_TRACKING_URI"])):
+        started = time.monotonic()
+        proc = subprocess.run([BIN / "rlhf", "run"], cwd=workspace, env={**env, **variables}, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        for name in names:
+            assert f"{name}={variables[name]} is not reachable" in proc.stderr, proc.stderr
+        assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert time.monotonic() - started < 30  # seconds, not MLflow's minutes of retries
+        assert not (workspace / "data").exists() and not (workspace / "reports").exists()  # no stage ran
+        assert not (workspace / ".prefect").exists()  # nor a temporary Prefect server
+
+
+def test_the_flow_fails_before_any_stage_when_its_tracking_server_is_down(workspace, monkeypatch):
+    """Inside the flow (a worker's run, where `rlhf run` did not check): the MLflow pipeline run is opened before
+    the first stage, and a dead server fails it there, quickly, as a TrackingError the flow reports."""
+    from flows.pipeline_run import start_pipeline_run
+    from tasks.common.mlflow_store import TrackingError
+
+    url = _closed_port_url()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    started = time.monotonic()
+    with pytest.raises(TrackingError, match=f"MLFLOW_TRACKING_URI={url} is not reachable"):
+        start_pipeline_run(workspace, None, [])
+    assert time.monotonic() - started < 15
+
+
+def test_credentials_and_non_servers(tracking_server, monkeypatch):
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server.url)
+    check_mlflow()  # a real tracking server: fine
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", _closed_port_url())
+    check_mlflow()  # tracking off: the URI is not used, so not checked
+    monkeypatch.delenv("RLHF_TRACKING")
+
+    class Teapot(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(401 if self.path.startswith("/api/2.0") else 418)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = HTTPServer(("127.0.0.1", 0), Teapot)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        url = f"http://someone:hunter2@127.0.0.1:{other.server_port}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "rlhf")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret-value")
+        with pytest.raises(ServerUnreachable) as refused:
+            check_mlflow()
+        assert "refused MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD (HTTP 401)" in str(refused.value)
+        monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{other.server_port}/api")
+        with pytest.raises(ServerUnreachable) as not_prefect:
+            check_servers()
+        message = str(not_prefect.value)
+        assert "answered HTTP 418, not a Prefect API" in message and "MLFLOW_TRACKING_URI=" in message
+        assert "hunter2" not in message and "s3cret-value" not in message and "someone" not in message
+        monkeypatch.setenv("PREFECT_API_URL", "127.0.0.1:4200")
+        with pytest.raises(ServerUnreachable, match="PREFECT_API_URL=127.0.0.1:4200: expected an http"):
+            check_prefect()
+    finally:
+        other.shutdown()
+    assert redact("http://u:p@host:5000/x") == "http://host:5000/x" and redact("http://host/x") == "http://host/x"
