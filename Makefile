@@ -15,7 +15,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test test-gpu bench lint dvc-deps clean
+.PHONY: setup run test test-gpu test-server bench lint dvc-deps clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,15 @@ test: setup
 # On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu -s $(PYTEST_ARGS)
+
+# The server stack live on loopback (README: "Scaling out"): the server extra, PostgreSQL from Debian packages if
+# missing, then infra/stack.sh up ... down inside tests/test_server.py (and the infra/ checks with their extras).
+test-server: setup
+	$(BIN)/python -m pip install --quiet -e ".[server]"
+	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || \
+	  { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -q postgresql || \
+	    { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q postgresql; }; }
+	$(BIN)/python -m pytest -s $(PYTEST_ARGS) tests/test_infra.py tests/test_server.py
 
 bench: setup
 	$(BIN)/rlhf bench --algo ppo --json

@@ -144,6 +144,9 @@ psql_admin() { as_pg "$(pg_bin)/psql" -h "$PGSOCK" -p "$PG_PORT" -U postgres -v 
 
 start_postgres() {
   local bin; bin=$(pg_bin)
+  if [[ $(id -u) == 0 ]] && ! runuser -u postgres -- test -x "$STATE"; then
+    die "RLHF_STACK_DIR=$STATE: the postgres user cannot reach it (as root, Postgres runs as postgres); pick a folder whose parents are world-searchable, e.g. one under /tmp with mode 755"
+  fi
   if [[ ! -f $PGDATA/PG_VERSION ]]; then
     mkdir -p "$PGDATA"
     local pwfile; pwfile=$(mktemp)

@@ -4,7 +4,8 @@ packages: `python infra/work-pools/make_templates.py` (tests/test_server.py chec
 
 - Docker: `device_requests` with capabilities [["gpu"]] (`docker run --gpus`), a shared-memory size for NCCL
   (its default 64 MB fails multi-GPU runs), and heartbeats.
-- Kubernetes: `nvidia.com/gpu` limits, a toleration for GPU taints, /dev/shm as a memory volume, heartbeats.
+- Kubernetes: `nvidia.com/gpu` limits, a toleration for GPU taints, /dev/shm as a memory volume, heartbeats;
+  `completions` / `parallelism` moved from the pod spec (where Prefect's default has them) to the Job spec.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ def kubernetes_gpu() -> dict:
     props["env"]["default"] = dict(HEARTBEAT)
     props["gpu_count"] = _int_var("GPUs", 1, "nvidia.com/gpu per pod (the NVIDIA device plugin must run on the node).")
     props["shm_size"] = _str_var("Shared memory", "16Gi", "Size of the memory volume on /dev/shm (NCCL).")
-    pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    job = template["job_configuration"]["job_manifest"]["spec"]
+    pod = job["template"]["spec"]
+    # Prefect's default puts these Job fields in the pod spec, where the API server drops them as unknown
+    for field in ("completions", "parallelism"):
+        if field in pod:
+            job[field] = pod.pop(field)
     container = pod["containers"][0]
     container["resources"]["limits"]["nvidia.com/gpu"] = "{{ gpu_count }}"
     container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
