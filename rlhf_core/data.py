@@ -1,8 +1,33 @@
-"""A seeded, resumable stream of prompt indices for the rollout phase."""
+"""Seeded sampling: the resumable stream of prompt indices for the rollout phase, and the mini-batches of an
+update's episodes."""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+
+def mini_batch_indices(global_size: int, num_mini_batches: int, *, rank: int, num_processes: int,
+                       generator: torch.Generator) -> list[Tensor]:
+    """This process's episode indices (into its own shard) for each mini-batch of one epoch.
+
+    The global batch is sharded in contiguous blocks, rank after rank. One mini-batch shuffles the shard. With
+    several (one generation for several optimizer steps), every run of `num_mini_batches` consecutive global
+    episodes sends one episode, at random, to each mini-batch: each process then holds an equal share of every
+    mini-batch, and a mini-batch is the same set of episodes whatever the number of processes, so 1 and N
+    processes take the same optimizer steps. It also spreads an RLOO prompt's k samples over mini-batches.
+    Every process draws the same random numbers.
+    """
+    local = global_size // num_processes
+    if num_mini_batches == 1:
+        return [torch.randperm(local, generator=generator)]
+    assert local % num_mini_batches == 0, "each process's episodes must split into the mini-batches"
+    strata = global_size // num_mini_batches
+    slot = torch.rand(strata, num_mini_batches, generator=generator).argsort(dim=1)  # stratum's member per mini-batch
+    mine = slot[rank * local // num_mini_batches:(rank + 1) * local // num_mini_batches]  # this process's strata
+    members = torch.arange(len(mine)).unsqueeze(1) * num_mini_batches + mine  # (local strata, n): local indices
+    order = torch.randperm(num_mini_batches, generator=generator)  # mini-batches in a random order
+    return [members[:, m] for m in order.tolist()]
 
 
 class PromptSampler:

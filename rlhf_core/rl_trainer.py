@@ -28,7 +28,7 @@ from transformers import get_scheduler
 from rlhf_core import ops, ppo, rloo
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
-from rlhf_core.data import PromptSampler
+from rlhf_core.data import PromptSampler, mini_batch_indices
 from rlhf_core.jsonio import atomic_path, read_json
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import disable_dropout
@@ -288,8 +288,9 @@ class RLTrainer:
         self.model.train()
         optimizer_steps = self.state.update * cfg.num_epochs * cfg.num_mini_batches  # before this update
         for _ in range(cfg.num_epochs):
-            order = torch.randperm(len(batch), generator=generator).to(batch.queries.device)
-            for mini in order.split(plan.local_mini_batch_size):
+            for mini in mini_batch_indices(plan.batch_size, cfg.num_mini_batches, rank=acc.process_index,
+                                           num_processes=plan.num_processes, generator=generator):
+                mini = mini.to(batch.queries.device)
                 # all processes' units (at least 1: a mini-batch of left-out episodes gives zero gradients)
                 mini_units = acc.reduce(units[mini].sum(), reduction="sum").clamp(min=1)
                 for micro in mini.split(plan.micro_batch_size):

@@ -3,7 +3,7 @@
 Every process builds the same global rollout (same seed), keeps its shard, computes the advantages of its
 shard (whitening and normalization must use the global batch's statistics) and optimizes; rank 0 saves the
 advantages and the updated parameters. The test compares the 1- and 2-process results.
-Usage: python distributed_update.py ALGO OUT.pt
+Usage: python distributed_update.py ALGO OUT.pt [NUM_MINI_BATCHES]
 """
 
 import sys
@@ -21,12 +21,13 @@ from rlhf_core.scoring import FunctionScorer
 GLOBAL_EPISODES, ACCUMULATION = 32, 2
 
 
-def main(algo: str, out: str) -> None:
+def main(algo: str, out: str, num_mini_batches: int = 1) -> None:
     accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATION, step_scheduler_with_optimizer=False,
                               cpu=not torch.cuda.is_available())  # cpu=True: a gloo world under torchrun
     world, rank = accelerator.num_processes, accelerator.process_index
-    micro = GLOBAL_EPISODES // (world * ACCUMULATION)
+    micro = GLOBAL_EPISODES // (world * ACCUMULATION * num_mini_batches)
     cfg = RLConfig(algo=algo, total_episodes=GLOBAL_EPISODES, per_device_train_batch_size=micro,
+                   num_mini_batches=num_mini_batches,
                    gradient_accumulation_steps=ACCUMULATION, num_epochs=2, local_rollout_forward_batch_size=GLOBAL_EPISODES,
                    response_length=6, stop_token="eos", temperature=1.0, learning_rate=1e-3, kl_coef=0.05,
                    rloo={"rloo_k": 2, "normalize_reward": True, "normalize_advantage": True})
@@ -55,4 +56,4 @@ def main(algo: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:4]))

@@ -20,11 +20,12 @@ def run(args: list[str], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["ppo", "rloo"])
-def test_two_processes_match_one(algo, tmp_path):
-    run([sys.executable, str(SCRIPT), algo, "one.pt"], tmp_path)
+@pytest.mark.parametrize("algo, mini_batches", [("ppo", "1"), ("rloo", "1"), ("rloo", "2")])
+def test_two_processes_match_one(algo, mini_batches, tmp_path):
+    """With 2 mini-batches, one generation feeds two optimizer steps per epoch (TRL's steps_per_generation)."""
+    run([sys.executable, str(SCRIPT), algo, "one.pt", mini_batches], tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run([*torchrun, str(SCRIPT), algo, "two.pt"], tmp_path)
+    run([*torchrun, str(SCRIPT), algo, "two.pt", mini_batches], tmp_path)
     one, two = (torch.load(tmp_path / f, weights_only=True) for f in ("one.pt", "two.pt"))
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -55,14 +55,15 @@ def test_runs_are_deterministic(tokenizer, prompts, make_policy, make_scorer_mod
         torch.testing.assert_close(runs[0][name], runs[1][name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo"])
-def test_micro_batch_split_invariance(algo, tokenizer, prompts, make_policy, make_scorer_model):
-    """64 episodes as 16 x 4 and as 32 x 2 (micro-batch x accumulation) give the same update."""
+@pytest.mark.parametrize("algo, num_mini_batches", [("ppo", 1), ("rloo", 1), ("ppo", 2), ("rloo", 2)])
+def test_micro_batch_split_invariance(algo, num_mini_batches, tokenizer, prompts, make_policy, make_scorer_model):
+    """64 episodes as 16 x 4 and as 32 x 2 (micro-batch x accumulation) per optimizer step give the same update;
+    with 2 mini-batches (TRL's steps_per_generation = 2 x accumulation: one generation, several steps) too."""
     results = []
-    for micro, accumulation in [(16, 4), (32, 2)]:
+    for micro, accumulation in [(16 // num_mini_batches, 4), (32 // num_mini_batches, 2)]:
         cfg = tiny_config(algo, total_episodes=64, per_device_train_batch_size=micro,
                           gradient_accumulation_steps=accumulation, local_rollout_forward_batch_size=64,
-                          stop_token="eos", missing_eos_penalty=1.0, num_epochs=2)
+                          stop_token="eos", missing_eos_penalty=1.0, num_epochs=2, num_mini_batches=num_mini_batches)
         trainer = make_trainer(cfg, tokenizer, prompts, make_policy, make_scorer_model)
         before = params(trainer)
         trainer.train()

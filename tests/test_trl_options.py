@@ -12,6 +12,7 @@ from test_trainer import make_trainer, params, tiny_config
 
 from rlhf_core import ops, rloo
 from rlhf_core.config import RLConfig
+from rlhf_core.data import mini_batch_indices
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import REFERENCE_FILE, list_checkpoints
 from rlhf_core.rollout import PolicyOutput, sample_responses
@@ -309,3 +310,23 @@ def test_a_monitor_is_logged_and_changes_nothing(tokenizer, prompts, make_policy
     assert len(seen) == 64 and all(isinstance(e, bool) and isinstance(p, str) for p, _, e in seen)
     for name, value in plain_params.items():
         assert torch.equal(watched_params[name], value), name
+
+
+@pytest.mark.parametrize("num_mini_batches", [2, 4])
+def test_mini_batches_are_the_same_episodes_whatever_the_process_count(num_mini_batches):
+    """Generation reuse across processes: mini-batch m holds the same global episodes with 1, 2 or 4 processes,
+    an equal share on each process, and every episode once per epoch."""
+    size = 32
+    def global_minis(processes):
+        generator, per_rank = torch.Generator(), []
+        for rank in range(processes):
+            generator.manual_seed(7)  # every process draws the same numbers
+            per_rank.append([(rank * size // processes + idx).tolist() for idx in
+                             mini_batch_indices(size, num_mini_batches, rank=rank, num_processes=processes,
+                                                generator=generator)])
+        assert all(len(m) == size // processes // num_mini_batches for rank in per_rank for m in rank)
+        return [sorted(sum((rank[m] for rank in per_rank), [])) for m in range(num_mini_batches)]
+    one = global_minis(1)
+    assert sorted(sum(one, [])) == list(range(size))
+    assert global_minis(2) == one and global_minis(4) == one
+    assert one[0] != list(range(size // num_mini_batches)), "mini-batches are drawn at random"

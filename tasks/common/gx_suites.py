@@ -45,8 +45,8 @@ def text_columns(kind: str, frame: pd.DataFrame) -> list[str]:
 
 
 # A prompt: an optional system message, then user and assistant turns alternating, the last from the user.
-PROMPT_ROLES = r"^(system,)?user(,assistant,user)*$"
-ANSWER_ROLES = r"^assistant(,assistant)*$"  # the conversation before an answer belongs in `prompt`
+PROMPT_ROLES = r"^(?:system,)?user(?:,assistant,user)*$"
+ANSWER_ROLES = r"^assistant(?:,assistant)*$"  # the conversation before an answer belongs in `prompt`
 SAME_FORMAT = {"text", "messages"}  # every text column of a row: all text or all messages
 
 

@@ -35,8 +35,8 @@ def normalize(rows: Sequence[dict], kind: str) -> list[dict]:
     keep = SCHEMA[kind] + (("reference",) if kind == "prompts" else ())
     out = []
     for row in rows:
-        renamed = {ALIASES.get(k, k): v for k, v in row.items()}
-        out.append({k: renamed[k] for k in keep if k in _explicit_prompt(renamed, kind)})
+        renamed = _explicit_prompt({ALIASES.get(k, k): v for k, v in row.items()}, kind)
+        out.append({k: renamed[k] for k in keep if k in renamed})
     return out
 
 
