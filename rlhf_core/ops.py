@@ -476,3 +476,48 @@ def ppo_value_loss(
     loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses_clipped), mask)  # scalar
     clipfrac = masked_mean((vf_losses_clipped > vf_losses).to(vf_losses.dtype), mask).detach()  # scalar
     return loss, clipfrac
+
+
+# -- keyed random numbers: the same sample for an episode whatever process or batch draws it ----------------------
+
+_MASK64 = (1 << 64) - 1
+
+
+def _int64(value: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores (the bits are what matter)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a bijective, well-mixed hash of each value."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def episode_keys(seed: int, update: int, prompt_indices: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 keys of episodes: one per (seed, update, prompt, sample of that prompt)."""
+    key = splitmix64(torch.full_like(prompt_indices, _int64(seed)))
+    for part in (torch.full_like(prompt_indices, update), prompt_indices, sample):
+        key = splitmix64(key ^ part)
+    return key
+
+
+def keyed_gumbel(keys: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
+    """(B, V) standard Gumbel noise, a pure function of (key, step, token): argmax(logits + noise) samples from
+    softmax(logits) (the Gumbel-max trick), identically wherever the row is computed. 24-bit uniforms: tokens
+    below ~1e-7 probability are never drawn."""
+    row = splitmix64(keys ^ _int64(step * 0x2545F4914F6CDD1D))  # (B,)
+    bits = splitmix64(row[:, None] + torch.arange(vocab_size, device=keys.device)[None, :])  # (B, V)
+    uniform = (_shr(bits, 40).to(torch.float32) + 0.5) / float(1 << 24)  # (0, 1), never 0 or 1
+    return -torch.log(-torch.log(uniform))

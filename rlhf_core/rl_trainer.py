@@ -196,11 +196,17 @@ class RLTrainer:
         queries, query_mask = pad([self.prompts[i] for i in prompt_indices for _ in range(k)],
                                   self.pad_token_id, "left")  # (B, P)
         queries, query_mask = queries.to(self.accelerator.device), query_mask.to(self.accelerator.device)
+        keys = None
+        if self.cfg.sampling_seed == "episode":  # (B,): episode (prompt, j-th sample) of this update
+            prompt_ids = torch.tensor(list(prompt_indices), dtype=torch.long).repeat_interleave(k)
+            keys = ops.episode_keys(self.cfg.seed, self.state.update, prompt_ids,
+                                    torch.arange(k).repeat(len(prompt_indices))).to(queries.device)
         step = self.cfg.local_rollout_forward_batch_size
         # the training forward's autocast (accelerate applies it to the prepared model only): rollout,
         # reference and value forwards in another precision make PPO's ratio wrong before any update
         with self.accelerator.autocast(), self._whole_weights():
-            return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step])
+            return Rollout.cat([self._rollout_chunk(queries[i:i + step], query_mask[i:i + step],
+                                                    None if keys is None else keys[i:i + step])
                                 for i in range(0, len(queries), step)])
 
     @contextmanager
@@ -224,12 +230,13 @@ class RLTrainer:
             finally:
                 _restore_zero3_hooks(offload)
 
-    def _rollout_chunk(self, queries: Tensor, query_mask: Tensor) -> Rollout:
+    def _rollout_chunk(self, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:
         model, cfg = self.unwrapped, self.cfg
         responses = sample_responses(model.policy, queries, query_mask, response_length=cfg.response_length,
                                      temperature=cfg.temperature, pad_token_id=self.pad_token_id,
                                      stop_token_id=self.stop_token_id, top_k=cfg.top_k, top_p=cfg.top_p,
-                                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty)  # (b, R)
+                                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                                     noise_keys=noise_keys)  # (b, R)
         if self.stop_token_id is not None:
             responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
         response_mask, contains_stop = stop_mask(responses, self.stop_token_id)

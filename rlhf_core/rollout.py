@@ -16,7 +16,16 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlhf_core import ops
 
@@ -149,24 +158,61 @@ def token_values(value_model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, 
 @torch.no_grad()
 def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int,
                      temperature: float, pad_token_id: int, stop_token_id: int | None, top_k: int = 0,
-                     top_p: float = 1.0, min_p: float | None = None, repetition_penalty: float = 1.0) -> Tensor:
+                     top_p: float = 1.0, min_p: float | None = None, repetition_penalty: float = 1.0,
+                     noise_keys: Tensor | None = None) -> Tensor:
     """Sample (B, R) responses with the KV cache; rows that stopped early are padded to R.
 
     By default pure sampling from softmax(logits / T): top_k 0 and top_p 1 disable truncation, so the
     log-probs recomputed in training describe exactly the distribution that was sampled. The truncations
     (top_k, top_p, min_p, repetition_penalty) are the user's choice, with the off-policy ratio they bring.
+    `noise_keys` (B,): each row samples with its own keyed noise (`ops.keyed_gumbel`) instead of the global
+    random stream, from the same distribution.
     """
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty)
+    processors = None
+    if noise_keys is not None:  # the same warpers, then argmax of scores + keyed Gumbel noise: a keyed sample
+        processors = LogitsProcessorList([*_warpers(**sampling), KeyedGumbelNoise(noise_keys, queries.shape[1])])
+        sampling = {}
     config = GenerationConfig(
-        max_new_tokens=response_length, do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p,
-        min_p=min_p, repetition_penalty=repetition_penalty, pad_token_id=pad_token_id,
+        max_new_tokens=response_length, do_sample=noise_keys is None, **sampling, pad_token_id=pad_token_id,
         eos_token_id=stop_token_id, use_cache=True,
     )
-    out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config)
+    out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
+                          logits_processor=processors)
     responses = out[:, queries.shape[1]:]  # (B, <=R)
     if responses.shape[1] < response_length:  # every row stopped before R
         fill = responses.new_full((responses.shape[0], response_length - responses.shape[1]), pad_token_id)
         responses = torch.cat([responses, fill], dim=1)
     return responses
+
+
+def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,
+             repetition_penalty: float) -> list[LogitsProcessor]:
+    """What `generate` applies before sampling, in its order: the repetition penalty, then the warpers."""
+    out: list[LogitsProcessor] = []
+    if repetition_penalty != 1.0:
+        out.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    out.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        out.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p))
+    if min_p is not None:
+        out.append(MinPLogitsWarper(min_p))
+    return out
+
+
+class KeyedGumbelNoise(LogitsProcessor):
+    """Adds each row's keyed Gumbel noise for the current step to the (warped) scores; greedy decoding then
+    draws a sample of softmax(scores) that depends only on the row's key, not on its batch or process."""
+
+    def __init__(self, keys: Tensor, prompt_length: int):
+        self.keys, self.prompt_length = keys, prompt_length
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        step = input_ids.shape[1] - self.prompt_length
+        return scores.float() + ops.keyed_gumbel(self.keys.to(scores.device), step, scores.shape[-1])
 
 
 def stop_mask(responses: Tensor, stop_token_id: int | None) -> tuple[Tensor, Tensor]:

@@ -52,11 +52,10 @@ def test_what_runs_in_this_process(monkeypatch, tmp_path):
     assert launch_command(RuntimeConfig(num_processes=2), "train", []) is None, "a launched rank never relaunches"
 
 
-# 64 episodes per update as 1 x (8 x 8) and as 2 x (8 x 4): the same global batch size and optimizer steps. Each
-# rank samples from its own random stream, so the two runs draw different completions; that the update of one
-# global rollout is the same on 1 and 2 processes is tests/test_distributed.py's.
+# 64 episodes per update as 1 x (8 x 8) and as 2 x (8 x 4): the same global batch size and optimizer steps. With
+# episode-keyed sampling each episode draws the same completion on either layout, so the runs train the same policy.
 SAME_BATCH = ["train.per_device_train_batch_size=8", "train.local_rollout_forward_batch_size=32",
-              "train.total_episodes=128", "train.learning_rate=1e-3"]
+              "train.total_episodes=128", "train.learning_rate=1e-3", "train.sampling_seed=episode"]
 LAYOUTS = {1: ["train.gradient_accumulation_steps=8"],
            2: ["train.gradient_accumulation_steps=4", "runtime.num_processes=2"]}
 
@@ -72,12 +71,13 @@ def stage_train(root: Path, overrides: list[str]) -> subprocess.CompletedProcess
 @pytest.mark.slow
 def test_train_stage_on_two_processes(workspace):
     """The real stage through the launcher: 2 ranks train, rank 0 alone writes one set of outputs and one MLflow
-    run, and the policy learns as the 1-process run does (same objective, different samples)."""
+    run, and the policy is the 1-process run's on the same global batches (episode-keyed sampling)."""
     for name in ("prepare", "validate", "sft", "reward-model", "inspect"):
         invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
     alone = workspace.parent / f"{workspace.name}-one"
     shutil.copytree(workspace, alone)
     sft = load_file(workspace / "models" / "sft" / "model.safetensors")
+    policies = {}
     for processes, root in ((2, workspace), (1, alone)):
         proc = stage_train(root, LAYOUTS[processes])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -87,11 +87,13 @@ def test_train_stage_on_two_processes(workspace):
         log = [json.loads(line) for line in (root / "reports" / "execution" / "train_log.jsonl").read_text().splitlines()]
         assert [h["update"] for h in log] == [1, 2], "one line per update, written by one process"
         assert [h["update"] for h in json.loads((root / "metrics" / "train_history.json").read_text())] == [1, 2]
-        policy = load_file(root / "models" / "policy" / "model.safetensors")
+        policies[processes] = policy = load_file(root / "models" / "policy" / "model.safetensors")
         assert policy.keys() == sft.keys() and all(torch.isfinite(v).all() for v in policy.values())
         assert any(not torch.equal(policy[k], sft[k]) for k in sft), "the policy was trained"
         assert sorted(p.name for p in (root / "checkpoints" / "train").glob("update-*")) == \
             ["update-000001", "update-000002"], "every rank joined the checkpoints (save_state)"
+    for name, weight in policies[1].items():
+        torch.testing.assert_close(policies[2][name], weight, rtol=1e-4, atol=1e-5, msg=name)
     client = get_client(workspace)
     experiments = [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(experiments, "tags.`rlhf.stage` = 'train'")

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from rlhf_core import ops
 from rlhf_core.ops import (
     entropy_from_logits,
     first_true_indices,
@@ -516,3 +517,32 @@ def test_log_probs_and_entropy_are_the_same_whatever_the_chunking(monkeypatch, r
     expected = torch.softmax(logits.detach().float(), -1).neg()
     expected.scatter_add_(-1, index.unsqueeze(-1), torch.ones(B, T, 1))
     torch.testing.assert_close(logits.grad.float(), expected, **tolerance)
+
+
+def _splitmix64_reference(x: int) -> int:
+    """SplitMix64's output function in plain Python integers (the published constants)."""
+    mask = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_splitmix64_on_int64_tensors_matches_the_reference():
+    values = [0, 1, 2, 12345, (1 << 63) - 1, -1, -(1 << 63)]
+    got = ops.splitmix64(torch.tensor(values, dtype=torch.long)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [_splitmix64_reference(v & ((1 << 64) - 1)) for v in values]
+
+
+def test_keyed_gumbel_noise_samples_the_softmax_and_depends_only_on_the_key():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    keys = ops.episode_keys(0, 3, torch.arange(20_000), torch.zeros(20_000, dtype=torch.long))
+    draws = (logits + ops.keyed_gumbel(keys, step=5, vocab_size=5)).argmax(-1)
+    frequencies = torch.bincount(draws, minlength=5).float() / len(draws)
+    torch.testing.assert_close(frequencies, logits.softmax(-1), atol=0.01, rtol=0)
+    # a row's noise is the same in any batch, and differs by step, prompt, sample and update
+    some = keys[[7, 3, 11]]
+    torch.testing.assert_close(ops.keyed_gumbel(some, 5, 5), ops.keyed_gumbel(keys, 5, 5)[[7, 3, 11]], rtol=0, atol=0)
+    assert not torch.equal(ops.keyed_gumbel(some, 5, 5), ops.keyed_gumbel(some, 6, 5))
+    one = lambda update, prompt, sample: ops.episode_keys(0, update, torch.tensor([prompt]), torch.tensor([sample]))  # noqa: E731
+    assert len({one(0, 0, 0).item(), one(0, 0, 1).item(), one(0, 1, 0).item(), one(1, 0, 0).item()}) == 4

@@ -330,3 +330,20 @@ def test_mini_batches_are_the_same_episodes_whatever_the_process_count(num_mini_
     assert sorted(sum(one, [])) == list(range(size))
     assert global_minis(2) == one and global_minis(4) == one
     assert one[0] != list(range(size // num_mini_batches)), "mini-batches are drawn at random"
+
+
+def test_episode_keyed_sampling_gives_each_episode_its_completion_whatever_the_batch(tokenizer, prompts, make_policy,
+                                                                                     make_scorer_model):
+    """sampling_seed=episode: the rollout of the same prompts is the same in chunks of 32 or 8, and changes with
+    the update; with the process stream (default) two rollouts differ."""
+    def rollout(chunk, update=0, sampling_seed="episode"):
+        cfg = tiny_config("rloo", total_episodes=64, per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                          local_rollout_forward_batch_size=chunk, sampling_seed=sampling_seed, stop_token="eos")
+        trainer = make_trainer(cfg, tokenizer, prompts, make_policy, make_scorer_model)
+        trainer.state.update = update
+        torch.manual_seed(chunk)  # the global stream differs: keyed sampling must not read it
+        return trainer.rollout(list(range(8))).responses
+    base = rollout(32)
+    assert torch.equal(base, rollout(8)), "the same completions whatever the rollout batch"
+    assert not torch.equal(base, rollout(32, update=1))
+    assert not torch.equal(rollout(32, sampling_seed="process"), rollout(8, sampling_seed="process"))
