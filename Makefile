@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# Extra arguments for the run, e.g. make run RUN_ARGS="--set prepare.world.conversational=true"
 run: setup
-	$(BIN)/rlhf run
+	$(BIN)/rlhf run $(RUN_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -m "not gpu and not server" $(PYTEST_ARGS)
