@@ -176,7 +176,7 @@ def test_docker_gpu_template_requests_gpus_and_shared_memory():
 
 
 def test_process_template_and_generated_templates_are_current():
-    from prefect.workers.process import ProcessWorker, ProcessJobConfiguration
+    from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
     template = _template("process.json")
     assert template["job_configuration"] == ProcessWorker.get_default_base_job_template()["job_configuration"]

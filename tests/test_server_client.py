@@ -46,9 +46,8 @@ class TrackingServer:
         self._server = None
 
     def start(self) -> None:
-        from werkzeug.serving import make_server
-
         from mlflow.server import app
+        from werkzeug.serving import make_server
 
         self._server = make_server("127.0.0.1", self.port, app, threaded=True)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
