@@ -70,16 +70,11 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     With runtime.num_processes > 1 or runtime.accelerate_config, sft, reward-model and train relaunch
     themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
     """
-    from rlhf_core.runtime import RuntimeSettingError
-    from tasks.common.guards import NonFiniteTraining
+    # light imports only: a stage loads torch and the model code itself when it needs them
+    from tasks.common.errors import StageFailed
     from tasks.common.launcher import is_main_process, launch_command, run_launched
-    from tasks.common.mlflow_store import TrackingError
-    from tasks.common.model_checks import ModelInputError
     from tasks.common.params import ParamsError, load_params
     from tasks.common.runner import check_stage_name, run_stage
-    from tasks.stages.inspect import InspectionFailed
-    from tasks.stages.register import RegisterError
-    from tasks.stages.validate import ValidationFailed
 
     args = [*(["--profile", profile] if profile else []), *(x for item in overrides or [] for x in ("--set", item))]
     try:
@@ -91,15 +86,14 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
 
             BatchPlan.derive(params.rl_config(), runtime.num_processes)
         command = launch_command(runtime, name, args)
-    except (ParamsError, RuntimeSettingError, ValueError) as err:
+    except (ParamsError, ValueError) as err:  # a RuntimeSettingError is a ValueError
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if command is not None:
         raise typer.Exit(run_launched(command, runtime))
     try:
         metrics = run_stage(name, ".", profile, overrides or [])
-    except (ValidationFailed, InspectionFailed, TrackingError, RegisterError, ModelInputError,
-            NonFiniteTraining) as err:  # a message, not a traceback
+    except StageFailed as err:  # a message, not a traceback
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C, or the flow stopping it: its MLflow run is already marked KILLED

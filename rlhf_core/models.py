@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
     GPTNeoXForSequenceClassification,
     PreTrainedModel,
 )
 
+from rlhf_core.hub import resolve_source
 from rlhf_core.jsonio import atomic_path
 
 
@@ -78,16 +77,8 @@ def save_model(model, tokenizer, target: str | os.PathLike) -> None:
         tokenizer.save_pretrained(tmp)
 
 
-def _source(name_or_path: str | os.PathLike) -> str:
-    """A local directory (saved with save_pretrained) or, when no such path exists, a hub id."""
-    path = Path(name_or_path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} is a file; expected a directory saved with save_pretrained() or a hub id")
-    return str(name_or_path)
-
-
 def _load(loader, name_or_path, **kwargs) -> PreTrainedModel:
-    source = _source(name_or_path)
+    source = resolve_source(name_or_path)
     try:
         return loader.from_pretrained(source, trust_remote_code=False, use_safetensors=True, **kwargs)
     except OSError as err:
@@ -105,14 +96,3 @@ def load_scorer_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torc
     """A reward or value model: `AutoModelForSequenceClassification` with num_labels=1."""
     model = _load(AutoModelForSequenceClassification, name_or_path, dtype=dtype, num_labels=1, **kwargs)
     return disable_dropout(model)
-
-
-def load_tokenizer(name_or_path: str | os.PathLike):
-    source = _source(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-    except OSError as err:
-        raise OSError(f"could not load a tokenizer from {source!r}: {err}") from err
-    if tokenizer.pad_token is None:
-        raise ValueError(f"tokenizer {source!r} has no pad token; add a distinct one (e.g. '[PAD]') before RL")
-    return tokenizer

@@ -11,7 +11,8 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.hub import load_tokenizer
+from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.sources import SourceError, load_rows
 
 ROWS = [{"prompt": "SUBREDDIT: r/pets\n\nPOST: my cat\n\nTL;DR:", "completion": " cat"},

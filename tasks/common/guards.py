@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.tracking import NullTracker, Tracker
+from tasks.common.errors import StageFailed
 
 # losses, rewards (objective/scores, objective/rlhf_reward, objective/kl), gradient norms and PPO's ratio
 GUARDED_PREFIXES = ("loss/", "objective/", "policy/", "val/ratio")
 
 
-class NonFiniteTraining(RuntimeError):
+class NonFiniteTraining(StageFailed, RuntimeError):
     """A guarded training figure became NaN or inf; the message names the update and the quantities."""
 
 

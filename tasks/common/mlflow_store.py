@@ -15,6 +15,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from tasks.common.errors import StageFailed
+
 EXPERIMENT_NAME = "rlhf-pipeline"  # MLFLOW_EXPERIMENT_NAME overrides it, as everywhere in MLflow
 PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
 TRACKING_ENV = "RLHF_TRACKING"
@@ -23,7 +25,7 @@ LOCAL_UI_ENV = "RLHF_MLFLOW_UI"  # where `mlflow ui` serves a local store (for r
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
-class TrackingError(RuntimeError):
+class TrackingError(StageFailed, RuntimeError):
     """Tracking is misconfigured in a way the user asked for (a server or parent run that is not there)."""
 
 

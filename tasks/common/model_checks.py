@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tasks.common.errors import StageFailed
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
-class ModelInputError(ValueError):
+class ModelInputError(StageFailed, ValueError):
     """A model or tokenizer that cannot do its job in this stage; the message names it and what is wrong."""
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from rlhf_core import chat
 from rlhf_core.greedy_eval import evaluate
+from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import read_json, read_jsonl, write_json, write_jsonl
-from rlhf_core.models import load_policy, load_scorer_model, load_tokenizer
+from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 from tasks.common.datasets import read_split

@@ -10,18 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf_core.config import InspectionConfig
+from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, write_json
-from rlhf_core.models import load_scorer_model, load_tokenizer
+from rlhf_core.models import load_scorer_model
 from rlhf_core.reward_inspection.report import inspect_reward_model
 from rlhf_core.runtime import Runtime
 from tasks.common.datasets import read_rows
+from tasks.common.errors import StageFailed
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 
 REPORT_DIR = Path("reports") / "inspection"
 
 
-class InspectionFailed(RuntimeError):
+class InspectionFailed(StageFailed, RuntimeError):
     """A check failed; the message says what is wrong and how to fix it (the CLI prints it, no traceback)."""
 
 

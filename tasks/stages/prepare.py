@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_core import chat
+from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
-from rlhf_core.models import load_tokenizer
 from rlhf_core.sources import load_rows
 from rlhf_core.world.generator import build_world
 from rlhf_core.world.tokenizer import train_tokenizer

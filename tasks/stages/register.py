@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from rlhf_core.jsonio import JsonFileError, read_json, write_json
+from tasks.common.errors import StageFailed
 from tasks.common.lineage import file_md5
 from tasks.common.mlflow_tracker import numeric
 from tasks.common.params import Params, RegisterParams
@@ -37,7 +38,7 @@ from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_s
 EVAL_TAG = "eval."  # version tags eval.<metric>: the figures of metrics/eval.json the version was gated on
 
 
-class RegisterError(ValueError):
+class RegisterError(StageFailed, ValueError):
     """Missing or malformed input of the register stage; the message names the file and key."""
 
 
@@ -148,7 +149,8 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
     import mlflow
     from huggingface_hub import ModelCard
 
-    from rlhf_core.models import load_policy, load_tokenizer
+    from rlhf_core.hub import load_tokenizer
+    from rlhf_core.models import load_policy
 
     adapter = policy_dir / "adapter_config.json"
     extra = {}

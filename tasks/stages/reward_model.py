@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 from rlhf_core import chat
+from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import read_jsonl, write_json
-from rlhf_core.models import (
-    load_policy,
-    load_scorer_model,
-    load_tokenizer,
-    reward_model_from_policy,
-    save_model,
-)
+from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_policy, save_model
 from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.world.generator import misstated_pairs

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import write_json
-from rlhf_core.models import load_policy, load_tokenizer, save_model
+from rlhf_core.models import load_policy, save_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.sft_trainer import evaluate_sft, train_sft
 from tasks.common.datasets import read_split

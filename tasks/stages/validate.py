@@ -20,6 +20,7 @@ import pandas as pd
 from rlhf_core import chat
 from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.sources import SourceError, load_rows
+from tasks.common.errors import StageFailed
 from tasks.common.gx_suites import (
     TokenBudget,
     build_suite,
@@ -40,7 +41,7 @@ class ValidateError(ValueError):
     """Validation could not run (unreadable file, tokenizer, params); the message names the file and line."""
 
 
-class ValidationFailed(RuntimeError):
+class ValidationFailed(StageFailed, RuntimeError):
     """Some expectation failed; the message lists them and where the full report is."""
 
 
@@ -250,7 +251,7 @@ def validation_counts(report: dict) -> dict:
 
 def run(params: Params, paths: Paths) -> dict:
     """Validate every split of data/ with its kind; write the report, summary and counts; fail on any failure."""
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.hub import load_tokenizer
 
     cfg = params.prepare
     budget = TokenBudget(load_tokenizer(paths.tokenizer), cfg.max_prompt_tokens, cfg.max_completion_tokens,
@@ -310,7 +311,7 @@ def pipeline_tokenizer(cfg, max_prompt_tokens: int) -> str:
 
 
 def _load_tokenizer(name: str):
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.hub import load_tokenizer
 
     try:
         return load_tokenizer(name)
