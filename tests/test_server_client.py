@@ -14,6 +14,7 @@ mid-training (`infra/stack.sh stop mlflow` / `start mlflow`).
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -106,16 +107,29 @@ def test_metrics_survive_a_tracking_server_that_drops_and_comes_back(tracking_se
         tracker.log_metrics({k: step / 10 for k in keys}, step)
     assert time.monotonic() - started < 1.0, "log_metrics waited on the dead server"
     time.sleep(2.5)  # retries fail meanwhile (connection refused); nothing is dropped
-    assert "they are kept and retried" in caplog.text
+    assert "buffered, retried until the server takes them" in caplog.text  # the outage's first failed send
+    for step in range(41, 45):  # logged once the outage is known: each batch says it waits
+        tracker.log_metrics({k: step / 10 for k in keys}, step)
+    assert "server down: 6 more metrics of run" in caplog.text
     tracking_server.start()
     tracker.close()  # waits until the buffer has drained
 
     assert tracker.errors == 0
     for key in keys:
         history = client.get_metric_history(run_id, key)
-        assert sorted(m.step for m in history) == list(range(1, 41)), key
+        assert sorted(m.step for m in history) == list(range(1, 45)), key
         assert {m.step: m.value for m in history}[37] == pytest.approx(3.7)
-    assert "takes metrics of run" in caplog.text  # it said when the server came back
+    # it said when the server came back and the backlog had drained
+    assert re.search(r"takes metrics of run \w+ again after \d+ s and \d+ failed tries; backlog drained: "
+                     r"\d+ batches \(\d+ metrics\) sent, none lost", caplog.text), caplog.text
+
+
+def test_outage_lines_carry_no_credentials():
+    from tasks.common.mlflow_tracker import _describe
+
+    err = ConnectionError("API request to http://alice:s3cret@127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed\nmore")
+    assert _describe(err) == ("ConnectionError: API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch "
+                              "failed")
 
 
 def test_a_server_that_never_comes_back_is_reported_after_the_retry_window(tracking_server, fast_client,

@@ -5,8 +5,11 @@ Logging never fails a stage: after a stage has started, MLflow errors are logged
 Against a tracking server (http), metric batches go out from a background thread that retries each one until
 it gets through, in order: training never waits on the network, and a server that drops for a while (a
 restart, a network blip) loses no metric. `close()` waits for the buffer to drain for up to
-RLHF_MLFLOW_RETRY_S seconds (default 600), then says how many metrics were lost. A local sqlite store is written
-in the caller's thread, as before.
+RLHF_MLFLOW_RETRY_S seconds (default 600), then says how many metrics were lost. An outage is logged as warnings
+(the stage's log): the first failed send ("... failed (...); buffered, retried until the server takes them"), each
+batch buffered behind it ("server down: N more metrics ... buffered"), and the end ("the server takes metrics ...
+again after S s and K failed tries; backlog drained: B batches (M metrics) sent, none lost"); no line carries a
+credential (a URL's user:password is cut out). A local sqlite store is written in the caller's thread, as before.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -127,9 +131,20 @@ def _permanent(err: Exception) -> bool:
     return getattr(err, "error_code", None) in _PERMANENT
 
 
+def _describe(err: Exception) -> str:
+    """The error's first line, short, without any user:password of a URL in it."""
+    first = (str(err).splitlines() or [""])[0]
+    text = f"{type(err).__name__}: {first}"
+    if len(text) > 200:  # a connection error's story is long: its start and its cause ("[Errno 111] ...")
+        cause = re.search(r"\[Errno \d+\][^'\")]*", first)
+        text = text[:160] + "..." + (f" {cause.group(0).strip()}" if cause else "")
+    return re.sub(r"(\w+://)[^/@\s]+@", r"\1", text)[:300]
+
+
 class _Sender:
     """One background thread that sends metric batches in order, each retried (backoff up to 15 s) until it
-    gets through; started on the first batch."""
+    gets through; started on the first batch. An outage (from the first failed send until the queue is empty
+    again) is logged: when it starts, each batch buffered meanwhile, and when the backlog has drained."""
 
     def __init__(self, client, run_id: str):
         self.client, self.run_id = client, run_id
@@ -140,10 +155,16 @@ class _Sender:
         self._give_up_at = math.inf
         self._lost = 0
         self._thread: threading.Thread | None = None
+        self._down_since: float | None = None  # monotonic time of the outage's first failed send
+        self._failures = 0  # failed sends in this outage
+        self._backlog = [0, 0]  # batches, metrics sent since the outage began
 
     def put(self, batch: list) -> None:
         with self._cond:
             self._queue.append(batch)
+            if self._down_since is not None:
+                log.warning("MLflow: server down: %d more metrics of run %s buffered (%d batches, %d metrics waiting)",
+                            len(batch), self.run_id, len(self._queue), sum(len(b) for b in self._queue))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=f"mlflow-metrics-{self.run_id[:8]}", daemon=True)
                 self._thread.start()
@@ -177,26 +198,34 @@ class _Sender:
                     self._queue.popleft()
                     if not sent:
                         self._lost += len(batch)
+                if self._down_since is not None and sent:
+                    self._backlog[0] += 1
+                    self._backlog[1] += len(batch)
+                    if not self._queue:
+                        log.warning("MLflow: the server takes metrics of run %s again after %.0f s and %d failed "
+                                    "tries; backlog drained: %d batches (%d metrics) sent, none lost", self.run_id,
+                                    time.monotonic() - self._down_since, self._failures, *self._backlog)
+                        self._down_since, self._failures, self._backlog = None, 0, [0, 0]
                 self._busy = False
                 self._cond.notify_all()
 
     def _send(self, batch: list) -> bool:
-        delay, failures = 1.0, 0
+        delay = 1.0
         while True:
             try:
                 self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
-                if failures:
-                    log.warning("MLflow: the server takes metrics of run %s again (after %d failed tries); "
-                                "nothing lost so far", self.run_id, failures)
                 return True
             except Exception as err:
-                failures += 1
                 if _permanent(err):
-                    log.error("MLflow refused %d metrics of run %s (%s); they are dropped", len(batch), self.run_id, err)
+                    log.error("MLflow refused %d metrics of run %s (%s); they are dropped", len(batch), self.run_id,
+                              _describe(err))
                     return False
-                if failures == 1:
-                    log.warning("MLflow: sending metrics of run %s failed (%s); they are kept and retried",
-                                self.run_id, str(err).splitlines()[0][:300])
+                with self._cond:
+                    self._failures += 1
+                    if self._down_since is None:
+                        self._down_since = time.monotonic()
+                        log.warning("MLflow: sending %d metrics of run %s failed (%s); buffered, retried until the "
+                                    "server takes them", len(batch), self.run_id, _describe(err))
             with self._cond:
                 if time.monotonic() >= self._give_up_at:
                     return False
