@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def run_all_stages(*args: str) -> None:
 
 def test_run_writes_every_stage_output(workspace):
     run_all_stages(*[x for item in TINY for x in ("--set", item)])
+    # register points MLflow's globals at its run only while it logs the model: left exported, every later
+    # subprocess of this process (a `dvc repro`) tracked into this workspace's store
+    assert not {"MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID"} & set(os.environ)
     for split in ("sft_train", "sft_eval", "prefs_train", "prefs_eval", "prompts_train", "prompts_eval"):
         assert (workspace / "data" / f"{split}.jsonl").stat().st_size > 0
     for model in ("tokenizer", "sft", "reward", "policy"):

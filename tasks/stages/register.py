@@ -15,6 +15,8 @@ from __future__ import annotations
 import getpass
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -163,15 +165,39 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
             extra["base_model_path"] = str(Path(base).resolve())
     else:
         model = load_policy(policy_dir)
-    # log_model resolves the store and experiment globally: point both at this stage's run
+    with _mlflow_pointed_at(run):
+        info = mlflow.transformers.log_model(
+            {"model": model, "tokenizer": load_tokenizer(policy_dir)}, name="policy", task="text-generation",
+            pip_requirements=_pip_requirements(adapter.is_file()), registered_model_name=model_name,
+            run_id=run.run_id, model_card=ModelCard(card), **extra)  # a card of our own: no hub lookup
+    return str(info.registered_model_version)
+
+
+MLFLOW_EXPORTS = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
+
+
+@contextmanager
+def _mlflow_pointed_at(run: MlflowStageRun) -> Iterator[None]:
+    """log_model resolves the store, the registry and the experiment from MLflow's process globals: point them at
+    this stage's run, then put them back. Setting them also exports MLFLOW_TRACKING_URI, MLFLOW_REGISTRY_URI and
+    MLFLOW_EXPERIMENT_ID to this process's environment; left there, every later subprocess (a `dvc repro` run
+    from the same process) tracked into this run's store."""
+    import mlflow
+
+    saved = {name: os.environ.get(name) for name in MLFLOW_EXPORTS}
     mlflow.set_tracking_uri(run.uri)
     mlflow.set_registry_uri(run.uri)
     mlflow.set_experiment(experiment_id=run.experiment_id)
-    info = mlflow.transformers.log_model(
-        {"model": model, "tokenizer": load_tokenizer(policy_dir)}, name="policy", task="text-generation",
-        pip_requirements=_pip_requirements(adapter.is_file()), registered_model_name=model_name,
-        run_id=run.run_id, model_card=ModelCard(card), **extra)  # a card of our own: no hub lookup
-    return str(info.registered_model_version)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])  # None: back to the default resolution
+        mlflow.set_registry_uri(saved["MLFLOW_REGISTRY_URI"])
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _card(params: Params, figures: dict[str, float]) -> str:
