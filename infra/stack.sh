@@ -56,6 +56,8 @@ check_settings() {
   for value in "$PG_PORT" "$S3_PORT" "$PREFECT_PORT" "$MLFLOW_PORT"; do
     ((value > 0 && value < 65536)) || die "port $value: expected 1-65535 (RLHF_*_PORT)"
   done
+  [[ $(printf '%s\n' "$PG_PORT" "$S3_PORT" "$PREFECT_PORT" "$MLFLOW_PORT" | sort -u | wc -l) == 4 ]] ||
+    die "RLHF_PG_PORT=$PG_PORT RLHF_S3_PORT=$S3_PORT RLHF_PREFECT_PORT=$PREFECT_PORT RLHF_MLFLOW_PORT=$MLFLOW_PORT: expected four different ports"
   ((ZOMBIE_AFTER_S > HEARTBEAT_S)) || die "RLHF_ZOMBIE_AFTER_S=$ZOMBIE_AFTER_S: expected more than the heartbeat period ($HEARTBEAT_S s)"
   [[ -x $BIN/prefect && -x $BIN/mlflow ]] || die "no prefect/mlflow in $BIN: run \`make setup\` (or set RLHF_STACK_BIN)"
 }
@@ -85,6 +87,14 @@ pid_of() { [[ -f $RUN/$1.pid ]] && cat "$RUN/$1.pid" || true; }
 alive() { local pid; pid=$(pid_of "$1"); [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; }
 
 # start NAME CMD...: in its own session (so `down` stops its whole process group), output to logs/NAME.log
+# require_free_port PORT VARIABLE: before a service starts, nothing else may answer on its port (a health check
+# would otherwise talk to the other program)
+require_free_port() {
+  if (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; then
+    die "port $1 ($2) is already in use on $HOST by another program; choose another with $2"
+  fi
+}
+
 start_bg() {
   local name=$1; shift
   setsid "$@" >>"$LOGS/$name.log" 2>&1 < /dev/null &
@@ -168,6 +178,7 @@ start_postgres() {
   if as_pg "$bin/pg_ctl" -D "$PGDATA" status >/dev/null 2>&1; then
     say "postgres already running on $HOST:$PG_PORT"
   else
+    require_free_port "$PG_PORT" RLHF_PG_PORT
     as_pg "$bin/pg_ctl" -D "$PGDATA" -l "$LOGS/postgres.log" -w -t "$STARTUP_S" \
       -o "-p $PG_PORT -h $HOST -k $PGSOCK" start >/dev/null || die "postgres did not start; see $LOGS/postgres.log"
     say "postgres on $HOST:$PG_PORT (data $PGDATA)"
@@ -187,6 +198,7 @@ pg_url() { echo "$1://$2:$RLHF_PG_PASSWORD@$HOST:$PG_PORT/$3"; }  # DRIVER ROLE 
 # ---------------------------------------------------------------------------------------------------- S3 (moto)
 start_s3() {
   if alive s3; then say "s3 already running on http://$HOST:$S3_PORT"; return; fi
+  require_free_port "$S3_PORT" RLHF_S3_PORT
   start_bg s3 "$BIN/moto_server" -H "$HOST" -p "$S3_PORT"
   wait_http s3 "http://$HOST:$S3_PORT/moto-api/"
   AWS_ACCESS_KEY_ID=$RLHF_S3_KEY_ID AWS_SECRET_ACCESS_KEY=$RLHF_S3_SECRET "$BIN/python" - \
@@ -206,6 +218,7 @@ start_mlflow() {
   if alive mlflow; then
     say "mlflow already running on http://$HOST:$MLFLOW_PORT"
   else
+    require_free_port "$MLFLOW_PORT" RLHF_MLFLOW_PORT
     launch_mlflow
   fi
   wait_http mlflow "http://$HOST:$MLFLOW_PORT/health"
@@ -258,6 +271,7 @@ start_prefect() {
   if alive prefect; then
     say "prefect already running on http://$HOST:$PREFECT_PORT"
   else
+    require_free_port "$PREFECT_PORT" RLHF_PREFECT_PORT
     mkdir -p "$STATE/prefect-home"
     start_bg prefect env PREFECT_HOME="$STATE/prefect-home" \
       PREFECT_API_DATABASE_CONNECTION_URL="$(pg_url postgresql+asyncpg prefect prefect)" \

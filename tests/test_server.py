@@ -65,12 +65,17 @@ def sh(*cmd, cwd=None, env=None, timeout=600, check=True) -> subprocess.Complete
     return proc
 
 
-def free_port() -> int:
+def free_ports(n: int) -> list[int]:
+    """`n` different free ports: every socket stays bound until all are picked (ports picked one at a time can
+    come back twice, and the stack then started MLflow on moto's port)."""
     import socket
+    from contextlib import ExitStack
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with ExitStack() as sockets:
+        bound = [sockets.enter_context(socket.socket()) for _ in range(n)]
+        for sock in bound:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in bound]
 
 
 def parse_exports(text: str) -> dict[str, str]:
@@ -88,8 +93,9 @@ def stack(tmp_path_factory):
     state = Path(tempfile.mkdtemp(prefix="rlhf-stack-"))
     os.chmod(state, 0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "RLHF_", "AWS_"))}
-    env = {**base, "RLHF_STACK_DIR": str(state), "RLHF_PG_PORT": str(free_port()), "RLHF_S3_PORT": str(free_port()),
-           "RLHF_PREFECT_PORT": str(free_port()), "RLHF_MLFLOW_PORT": str(free_port()),
+    ports = dict(zip(("RLHF_PG_PORT", "RLHF_S3_PORT", "RLHF_PREFECT_PORT", "RLHF_MLFLOW_PORT"), map(str, free_ports(4)),
+                     strict=True))
+    env = {**base, "RLHF_STACK_DIR": str(state), **ports,
            "RLHF_ZOMBIE_AFTER_S": str(ZOMBIE_AFTER_S), **OUTAGE_ENV}
     try:
         up = sh(STACK, "up", env=env, timeout=900)
