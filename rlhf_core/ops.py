@@ -513,6 +513,15 @@ def episode_keys(seed: int, update: int, prompt_indices: torch.Tensor, sample: t
     return key
 
 
+def gumbel_noise(shape: tuple[int, ...], device: torch.device | str = "cpu",
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard Gumbel noise from the global (or given) random stream: argmax(logits + noise) is a sample of
+    softmax(logits). Five times faster on CPU than `torch.multinomial`, whose `exponential_` draw is not
+    vectorized (2.5 ms against 0.5 ms for a (64, 2048) batch: a third of a tiny model's decoding step)."""
+    uniform = torch.rand(shape, device=device, generator=generator).clamp_(min=torch.finfo(torch.float32).tiny)
+    return uniform.log_().neg_().log_().neg_()
+
+
 def keyed_gumbel(keys: torch.Tensor, step: int, vocab_size: int) -> torch.Tensor:
     """(B, V) standard Gumbel noise, a pure function of (key, step, token): argmax(logits + noise) samples from
     softmax(logits) (the Gumbel-max trick), identically wherever the row is computed. 24-bit uniforms: tokens

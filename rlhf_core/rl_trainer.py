@@ -232,16 +232,19 @@ class RLTrainer:
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:
         model, cfg = self.unwrapped, self.cfg
-        responses = sample_responses(model.policy, queries, query_mask, response_length=cfg.response_length,
-                                     temperature=cfg.temperature, pad_token_id=self.pad_token_id,
-                                     stop_token_id=self.stop_token_id, top_k=cfg.top_k, top_p=cfg.top_p,
-                                     min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
-                                     noise_keys=noise_keys)  # (b, R)
+        responses, logits = sample_responses(
+            model.policy, queries, query_mask, response_length=cfg.response_length, temperature=cfg.temperature,
+            pad_token_id=self.pad_token_id, stop_token_id=self.stop_token_id, top_k=cfg.top_k, top_p=cfg.top_p,
+            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, noise_keys=noise_keys,
+            keep_logits=self._generation_logits_exact)  # (b, R), (b, R, V) or None
         if self.stop_token_id is not None:
             responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
         response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
         parts = (queries, query_mask, responses, response_mask)
-        logprobs = self._logprobs(model.policy, parts)
+        if logits is None:
+            logprobs = self._logprobs(model.policy, parts)
+        else:  # the sampling step's own logits: the forward the training step would repeat, saved
+            logprobs = ops.selective_log_softmax(logits.float() / cfg.temperature, responses) * response_mask
         if self.ref_policy is None:
             with model.policy.disable_adapter():
                 ref_logprobs = self._logprobs(model.policy, parts)
@@ -250,6 +253,15 @@ class RLTrainer:
         values = None if model.value is None else token_values(model.value, parts) * response_mask
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, contains_stop=contains_stop, values=values)
+
+    @property
+    def _generation_logits_exact(self) -> bool:
+        """Whether the logits of the sampling steps are the training forward's to rounding (~1e-6), so that the
+        rollout's log-probs can be read from them instead of a second forward over the whole batch (as TRL's PPO
+        does): only in plain fp32. Under bf16/fp16 (autocast or DeepSpeed) the incremental decode rounds
+        differently from the full forward, and the first ratio of an update must be exactly 1 there too."""
+        return (self.accelerator.mixed_precision == "no" and self.accelerator.state.deepspeed_plugin is None
+                and all(p.dtype == torch.float32 for p in self.unwrapped.policy.parameters()))
 
     def _logprobs(self, policy: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
         logits = response_logits(policy, parts, self.cfg.temperature)  # (b, R, V)

@@ -159,32 +159,39 @@ def token_values(value_model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, 
 def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int,
                      temperature: float, pad_token_id: int, stop_token_id: int | None, top_k: int = 0,
                      top_p: float = 1.0, min_p: float | None = None, repetition_penalty: float = 1.0,
-                     noise_keys: Tensor | None = None) -> Tensor:
+                     noise_keys: Tensor | None = None, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
     """Sample (B, R) responses with the KV cache; rows that stopped early are padded to R.
 
     By default pure sampling from softmax(logits / T): top_k 0 and top_p 1 disable truncation, so the
     log-probs recomputed in training describe exactly the distribution that was sampled. The truncations
     (top_k, top_p, min_p, repetition_penalty) are the user's choice, with the off-policy ratio they bring.
-    `noise_keys` (B,): each row samples with its own keyed noise (`ops.keyed_gumbel`) instead of the global
-    random stream, from the same distribution.
+    Sampling is the Gumbel-max trick on the warped scores (`GumbelNoise`): the same distribution as
+    `generate`'s multinomial draw, faster. `noise_keys` (B,): each row draws its own keyed noise
+    (`ops.keyed_gumbel`) instead of the global random stream.
+
+    Returns the responses and, with `keep_logits`, the raw (unwarped) logits that predicted each of them:
+    (B, R, V) in the model's output dtype, zero after the step where every row had stopped.
     """
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty)
-    processors = None
-    if noise_keys is not None:  # the same warpers, then argmax of scores + keyed Gumbel noise: a keyed sample
-        processors = LogitsProcessorList([*_warpers(**sampling), KeyedGumbelNoise(noise_keys, queries.shape[1])])
-        sampling = {}
-    config = GenerationConfig(
-        max_new_tokens=response_length, do_sample=noise_keys is None, **sampling, pad_token_id=pad_token_id,
-        eos_token_id=stop_token_id, use_cache=True,
-    )
+    processors = LogitsProcessorList([
+        *_warpers(temperature, top_k, top_p, min_p, repetition_penalty),
+        GumbelNoise(noise_keys, queries.shape[1]),
+    ])
+    # greedy over scores + noise: the warpers and the noise above are the whole sampler
+    config = GenerationConfig(max_new_tokens=response_length, do_sample=False, pad_token_id=pad_token_id,
+                              eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True,
+                              output_logits=keep_logits)
     out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
                           logits_processor=processors)
-    responses = out[:, queries.shape[1]:]  # (B, <=R)
-    if responses.shape[1] < response_length:  # every row stopped before R
-        fill = responses.new_full((responses.shape[0], response_length - responses.shape[1]), pad_token_id)
-        responses = torch.cat([responses, fill], dim=1)
-    return responses
+    responses = out.sequences[:, queries.shape[1]:]  # (B, <=R)
+    missing = response_length - responses.shape[1]  # every row stopped before R
+    if missing:
+        responses = torch.cat([responses, responses.new_full((responses.shape[0], missing), pad_token_id)], dim=1)
+    if not keep_logits:
+        return responses, None
+    logits = torch.stack(out.logits, dim=1)  # (B, <=R, V)
+    if missing:
+        logits = torch.cat([logits, logits.new_zeros(logits.shape[0], missing, logits.shape[2])], dim=1)
+    return responses, logits
 
 
 def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,
@@ -203,14 +210,17 @@ def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,
     return out
 
 
-class KeyedGumbelNoise(LogitsProcessor):
-    """Adds each row's keyed Gumbel noise for the current step to the (warped) scores; greedy decoding then
-    draws a sample of softmax(scores) that depends only on the row's key, not on its batch or process."""
+class GumbelNoise(LogitsProcessor):
+    """Adds standard Gumbel noise to the (warped) scores, so that greedy decoding draws a sample of
+    softmax(scores). With `keys` (B,), each row's noise at each step is keyed (`ops.keyed_gumbel`): the sample
+    then depends only on the row's key, not on its batch or process; without, it comes from the global stream."""
 
-    def __init__(self, keys: Tensor, prompt_length: int):
+    def __init__(self, keys: Tensor | None, prompt_length: int):
         self.keys, self.prompt_length = keys, prompt_length
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.keys is None:
+            return scores.float() + ops.gumbel_noise(scores.shape, device=scores.device)
         step = input_ids.shape[1] - self.prompt_length
         return scores.float() + ops.keyed_gumbel(self.keys.to(scores.device), step, scores.shape[-1])
 

@@ -546,3 +546,14 @@ def test_keyed_gumbel_noise_samples_the_softmax_and_depends_only_on_the_key():
     assert not torch.equal(ops.keyed_gumbel(some, 5, 5), ops.keyed_gumbel(some, 6, 5))
     one = lambda update, prompt, sample: ops.episode_keys(0, update, torch.tensor([prompt]), torch.tensor([sample]))  # noqa: E731
     assert len({one(0, 0, 0).item(), one(0, 0, 1).item(), one(0, 1, 0).item(), one(1, 0, 0).item()}) == 4
+
+
+def test_gumbel_noise_samples_the_softmax_from_the_global_stream():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0, float("-inf")])  # -inf: a token a warper masked out
+    torch.manual_seed(0)
+    draws = (logits + ops.gumbel_noise((40_000, 6))).argmax(-1)
+    frequencies = torch.bincount(draws, minlength=6).float() / len(draws)
+    torch.testing.assert_close(frequencies, logits.softmax(-1), atol=0.01, rtol=0)
+    torch.manual_seed(0)
+    torch.testing.assert_close(ops.gumbel_noise((3, 6)), ops.gumbel_noise((3, 6), generator=torch.Generator().manual_seed(0)))
+    assert ops.gumbel_noise((1000, 6)).isfinite().all()

@@ -45,7 +45,7 @@ def test_stop_mask_keeps_through_first_stop():
 
 def test_sampled_responses_are_padded_after_stop(make_policy, prompts):
     queries, query_mask = pad(prompts[:32], 0, "left")
-    responses = sample_responses(make_policy(), queries, query_mask, response_length=10, temperature=1.0,
+    responses, _ = sample_responses(make_policy(), queries, query_mask, response_length=10, temperature=1.0,
                                  pad_token_id=0, stop_token_id=1)
     assert responses.shape == (32, 10)
     mask, contains = stop_mask(responses, 1)
@@ -71,6 +71,32 @@ def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scor
     expected = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, responses[..., None]).squeeze(-1)
     parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
     torch.testing.assert_close(trainer._logprobs(policy, parts), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("response_length", [12, 40])  # 40: every row stops before R, the logits are padded
+def test_fp32_rollout_logprobs_from_the_sampling_logits_equal_a_forward(response_length, make_policy, tokenizer,
+                                                                          prompts):
+    """In fp32 the rollout reads the policy's log-probs from the sampling steps' logits (no second forward):
+    they equal what the forward pass the training step repeats computes, padding and early stops included."""
+    cfg = RLConfig(algo="rloo", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                   local_rollout_forward_batch_size=8, response_length=response_length, temperature=0.7,
+                   num_epochs=1, rloo={"rloo_k": 2})
+    policy = make_policy()
+    if response_length == 40:  # an EOS-prone head: P(EOS) ~ 0.4 per step, so every row stops early
+        eos_bias = torch.zeros(policy.config.vocab_size)
+        eos_bias[1] = 2.0
+        policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
+    trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
+                        stop_token_id=1)
+    assert trainer._generation_logits_exact
+    batch = trainer.rollout(range(4))
+    assert batch.contains_stop.any() and (batch.response_lengths < response_length).any()
+    if response_length == 40:
+        assert batch.contains_stop.all(), "every row stopped: generate returned fewer than R steps"
+    parts = (batch.queries, batch.query_mask, batch.responses, batch.response_mask)
+    torch.testing.assert_close(batch.logprobs, trainer._logprobs(trainer.unwrapped.policy, parts), rtol=0,
+                               atol=1e-5)
+    assert (batch.logprobs[~batch.response_mask] == 0).all()
 
 
 def test_reward_model_scores_the_last_real_token(make_scorer_model):

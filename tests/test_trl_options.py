@@ -228,10 +228,10 @@ def test_reference_sync_is_refused_where_it_cannot_work(tokenizer, prompts, make
 def test_top_k_one_samples_the_most_likely_token(make_policy, prompts):
     queries = torch.tensor([prompts[0]] * 4)
     mask = torch.ones_like(queries, dtype=torch.bool)
-    responses = sample_responses(make_policy(0), queries, mask, response_length=6, temperature=1.0,
+    responses, _ = sample_responses(make_policy(0), queries, mask, response_length=6, temperature=1.0,
                                  pad_token_id=0, stop_token_id=None, top_k=1)
     assert (responses == responses[0]).all(), "top_k=1 leaves one token to sample: every row is the same"
-    free = sample_responses(make_policy(0), queries, mask, response_length=6, temperature=1.0, pad_token_id=0,
+    free, _ = sample_responses(make_policy(0), queries, mask, response_length=6, temperature=1.0, pad_token_id=0,
                             stop_token_id=None)
     assert not (free == free[0]).all()
 
