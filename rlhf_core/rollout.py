@@ -26,6 +26,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from rlhf_core import ops
 
@@ -105,18 +106,69 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 
 
 def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor],
-                    temperature: float) -> Tensor:
+                    temperature: float, *, share_prompts: bool = False) -> Tensor:
     """Temperature-scaled logits that predicted each response token: (B, R, V).
 
-    The logits at position t predict token t+1, hence the slice [P-1, P+R-1).
+    The logits at position t predict token t+1, hence the slice [P-1, P+R-1). With `share_prompts`, rows with
+    the same prompt (RLOO's k samples) go through it once (`shared_prompt_forward`): equal to rounding, so for
+    frozen models only; the training forward, which must repeat the rollout's numbers exactly, never shares.
     """
     queries, query_mask, responses, response_mask = _parts(batch)
+    R = responses.shape[1]
+    groups = distinct_prompts(queries, query_mask) if share_prompts else None
+    if groups is not None:
+        prompts, rest = shared_prompt_forward(model, (queries, query_mask, responses, response_mask), groups,
+                                              response_tokens=R - 1, prompt_kwargs={"logits_to_keep": 1})
+        first_logits = prompts.logits[groups[1]]  # (B, 1, V): the last prompt position, read by every sample
+        logits = first_logits if rest is None else torch.cat([first_logits, rest.logits], dim=1)  # (B, R, V)
+        return logits.float() / temperature
     input_ids = torch.cat([queries, responses], dim=1)  # (B, P+R)
     mask = torch.cat([query_mask, response_mask], dim=1)
     # the LM head on the R + 1 last positions only: the prompt's logits would be a (B, P, V) matmul for nothing
     logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
-                   logits_to_keep=responses.shape[1] + 1).logits  # (B, R + 1, V)
+                   logits_to_keep=R + 1).logits  # (B, R + 1, V)
     return logits[:, :-1].float() / temperature  # (B, R, V)
+
+
+def distinct_prompts(queries: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """Rows that share their prompt (RLOO's k samples of one prompt): (one row of each distinct prompt (n,),
+    the distinct prompt of each row (B,)), or None when no two rows share one."""
+    rows = torch.cat([queries, query_mask.long()], dim=1)  # the mask too: a pad id can be a real token
+    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if len(unique) == len(rows):
+        return None
+    index = torch.arange(len(rows), device=rows.device)
+    first = torch.full((len(unique),), len(rows), device=rows.device).scatter_reduce(0, inverse, index, "amin")
+    return first, inverse
+
+
+def shared_prompt_forward(model: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor], groups: tuple[Tensor, Tensor],
+                          *, response_tokens: int, prompt_kwargs: dict | None = None):
+    """`model` (a causal LM or a backbone) over [prompt | first `response_tokens` response tokens] with each
+    distinct prompt computed once: the prompts' forward fills a KV cache (n rows), copied to the B rows that
+    share it, and the responses run on it. Returns (the prompts' output, the responses' output or None).
+
+    For k samples per prompt of P prompt and R response tokens, n·P + B·R tokens instead of B·(P + R): on
+    bench-tiny's RLOO (P 48, R 24, k 2) a third fewer; on TL;DR (P ~500, R 53, k 4) ~3x fewer.
+    """
+    queries, query_mask, responses, response_mask = parts
+    first, inverse = groups
+    P = queries.shape[1]
+    mask = torch.cat([query_mask, response_mask[:, :response_tokens]], dim=1)  # (B, P + r)
+    positions = position_ids(mask)
+    prompts = model(input_ids=queries[first], attention_mask=query_mask[first], position_ids=positions[first, :P],
+                    use_cache=True, **(prompt_kwargs or {}))
+    if response_tokens == 0:
+        return prompts, None
+    cache = getattr(prompts, CACHE)
+    cache.reorder_cache(inverse)  # (n, ...) -> (B, ...)
+    rest = model(input_ids=responses[:, :response_tokens], attention_mask=mask, position_ids=positions[:, P:],
+                 use_cache=True, **{CACHE: cache})
+    return prompts, rest
+
+
+CACHE = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
+"""The KV cache's name in model calls and outputs: transformers 5.24 renamed `past_key_values` to `cache`."""
 
 
 def _parts(batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -181,7 +233,7 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
                               eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True,
                               output_logits=keep_logits)
     out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
-                          logits_processor=processors)
+                          logits_processor=processors, **_shared_prompt_cache(policy, queries, query_mask))
     responses = out.sequences[:, queries.shape[1]:]  # (B, <=R)
     missing = response_length - responses.shape[1]  # every row stopped before R
     if missing:
@@ -192,6 +244,21 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
     if missing:
         logits = torch.cat([logits, logits.new_zeros(logits.shape[0], missing, logits.shape[2])], dim=1)
     return responses, logits
+
+
+def _shared_prompt_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor) -> dict:
+    """`generate`'s prefill, each distinct prompt once (RLOO's k samples): the KV cache of every prompt but its
+    last token, copied to the rows that share it; `generate` then feeds the last token. {} when none share."""
+    groups = distinct_prompts(queries[:, :-1], query_mask[:, :-1]) if queries.shape[1] > 1 else None
+    if groups is None:
+        return {}
+    first, inverse = groups
+    mask = query_mask[first, :-1]
+    prefix = policy(input_ids=queries[first, :-1], attention_mask=mask, position_ids=position_ids(mask),
+                    use_cache=True, logits_to_keep=1)
+    cache = getattr(prefix, CACHE)
+    cache.reorder_cache(inverse)
+    return {CACHE: cache}
 
 
 def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_core.reward_functions import RewardFn, import_reward_function  # noqa: F401 (re-exported)
-from rlhf_core.rollout import Rollout, backbone_hidden, score_head
+from rlhf_core.rollout import Rollout, backbone_hidden, distinct_prompts, score_head, shared_prompt_forward
 
 GoldFn = Callable[[str, str, bool], float]
 """(prompt, completion, ended_with_eos) -> a known true reward (the demo world's `gold_reward`); evaluations
@@ -38,6 +38,17 @@ def last_token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tenso
     """
     hidden = backbone_hidden(model, input_ids, attention_mask)  # (B, T, H)
     last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, H)
+    return score_head(model)(last).squeeze(-1).float()  # (B,)
+
+
+def shared_prompt_scores(model: nn.Module, batch: Rollout, groups: tuple[Tensor, Tensor]) -> Tensor:
+    """`last_token_scores` of a batch whose rows share prompts (`distinct_prompts`), each prompt computed once:
+    the scored token (the last real one) is always in the response. (B,)"""
+    parts = (batch.queries, batch.query_mask, batch.responses, batch.response_mask)
+    backbone = getattr(model, model.base_model_prefix)
+    _, rest = shared_prompt_forward(backbone, parts, groups, response_tokens=batch.responses.shape[1])
+    hidden = rest.last_hidden_state  # (B, R, H)
+    last = hidden[torch.arange(len(batch), device=hidden.device), batch.response_lengths - 1]  # (B, H)
     return score_head(model)(last).squeeze(-1).float()  # (B,)
 
 
@@ -69,6 +80,10 @@ class RewardModelScorer:
         out = []
         for start in range(0, len(batch), self.batch_size):
             chunk = batch[start:start + self.batch_size].to(device)
+            groups = distinct_prompts(chunk.queries, chunk.query_mask)
+            if groups is not None:  # RLOO's k samples of a prompt: the prompt once
+                out.append(shared_prompt_scores(self.model, chunk, groups))
+                continue
             last = chunk.context_length + chunk.response_lengths - 1  # (b,) last real token
             out.append(last_token_scores(self.model, chunk.input_ids, chunk.attention_mask, last))
         return torch.cat(out).to(batch.queries.device)

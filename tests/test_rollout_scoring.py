@@ -7,13 +7,21 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from conftest import target_fraction
+from conftest import TINY_VOCAB, target_fraction
+from rlhf_core import ops
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import RLTrainer
-from rlhf_core.rollout import Rollout, position_ids, sample_responses, stop_mask
+from rlhf_core.rollout import (
+    Rollout,
+    distinct_prompts,
+    position_ids,
+    response_logits,
+    sample_responses,
+    stop_mask,
+)
 from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer
 
 
@@ -97,6 +105,50 @@ def test_fp32_rollout_logprobs_from_the_sampling_logits_equal_a_forward(response
     torch.testing.assert_close(batch.logprobs, trainer._logprobs(trainer.unwrapped.policy, parts), rtol=0,
                                atol=1e-5)
     assert (batch.logprobs[~batch.response_mask] == 0).all()
+
+
+def shared_prompt_batch(prompts, k=3, response_length=6):
+    """k samples of 4 prompts of different lengths (left padding differs), stop tokens at various places,
+    and a prompt that is a left-padded copy of another's tail: the masks tell them apart."""
+    rows = [prompts[0], prompts[1], prompts[2], [0, *prompts[2][1:]]]
+    queries, query_mask = pad([p for p in rows for _ in range(k)], 0, "left")
+    responses = torch.randint(2, TINY_VOCAB, (len(queries), response_length), generator=torch.Generator().manual_seed(1))
+    responses[0, 2] = responses[4, 0] = responses[7, -1] = 1
+    response_mask, contains_stop = stop_mask(responses, 1)
+    responses = responses.masked_fill(~response_mask, 0)
+    zeros = torch.zeros(responses.shape)
+    return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
+                   logprobs=zeros, ref_logprobs=zeros, contains_stop=contains_stop)
+
+
+def test_frozen_forwards_over_shared_prompts_equal_the_full_forwards(make_policy, make_scorer_model, prompts):
+    """The reference log-probs and the reward of RLOO's k samples computed with each prompt once (a KV cache
+    copied to its samples) equal the forwards over every full sequence."""
+    batch = shared_prompt_batch(prompts)
+    groups = distinct_prompts(batch.queries, batch.query_mask)
+    assert groups is not None and len(groups[0]) == 4, "4 distinct prompts (one differs from another by its mask)"
+    assert distinct_prompts(batch.queries[::3], batch.query_mask[::3]) is None
+    policy, scorer = make_policy(), make_scorer_model()
+    with torch.no_grad():
+        torch.testing.assert_close(response_logits(policy, batch, 0.7, share_prompts=True),
+                                   response_logits(policy, batch, 0.7), rtol=0, atol=1e-5)
+    one_by_one = torch.cat([RewardModelScorer(scorer, batch_size=1)(batch[i:i + 1]) for i in range(len(batch))])
+    torch.testing.assert_close(RewardModelScorer(scorer)(batch), one_by_one, rtol=0, atol=1e-5)
+
+
+def test_generation_prefills_each_shared_prompt_once_with_the_same_samples(make_policy, prompts):
+    batch = shared_prompt_batch(prompts)
+    keys = ops.episode_keys(0, 0, torch.arange(len(batch)), torch.zeros(len(batch), dtype=torch.long))
+    kwargs = dict(response_length=8, temperature=0.7, pad_token_id=0, stop_token_id=1, keep_logits=True)
+    policy = make_policy()
+    shared, shared_logits = sample_responses(policy, batch.queries, batch.query_mask, noise_keys=keys, **kwargs)
+    alone = [sample_responses(policy, batch.queries[i:i + 1], batch.query_mask[i:i + 1], noise_keys=keys[i:i + 1],
+                              **kwargs)
+             for i in range(len(batch))]  # one row per call: nothing shared
+    assert torch.equal(shared, torch.cat([responses for responses, _ in alone]))
+    lengths = stop_mask(shared, 1)[0].sum(1)  # after its stop token a row's logits are of no use
+    for i, (_, logits) in enumerate(alone):
+        torch.testing.assert_close(shared_logits[i, :lengths[i]], logits[0, :lengths[i]], rtol=0, atol=1e-5)
 
 
 def test_reward_model_scores_the_last_real_token(make_scorer_model):
