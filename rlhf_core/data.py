@@ -8,10 +8,12 @@ from torch import Tensor
 
 
 def mini_batch_indices(global_size: int, num_mini_batches: int, *, rank: int, num_processes: int,
-                       generator: torch.Generator) -> list[Tensor]:
+                       generator: torch.Generator, group_size: int = 1) -> list[Tensor]:
     """This process's episode indices (into its own shard) for each mini-batch of one epoch.
 
-    The global batch is sharded in contiguous blocks, rank after rank. One mini-batch shuffles the shard. With
+    The global batch is sharded in contiguous blocks, rank after rank. One mini-batch shuffles the shard by
+    groups of `group_size` consecutive episodes (RLOO's k samples of a prompt): a prompt's samples stay side by
+    side, so a micro-batch computes their shared prompt once (`rollout.shared_prompt_forward`). With
     several (one generation for several optimizer steps), every run of `num_mini_batches` consecutive global
     episodes sends one episode, at random, to each mini-batch: each process then holds an equal share of every
     mini-batch, and a mini-batch is the same set of episodes whatever the number of processes, so 1 and N
@@ -20,7 +22,9 @@ def mini_batch_indices(global_size: int, num_mini_batches: int, *, rank: int, nu
     """
     local = global_size // num_processes
     if num_mini_batches == 1:
-        return [torch.randperm(local, generator=generator)]
+        assert local % group_size == 0, "each process's episodes must be whole groups"
+        groups = torch.randperm(local // group_size, generator=generator)
+        return [(groups[:, None] * group_size + torch.arange(group_size)).flatten()]
     assert local % num_mini_batches == 0, "each process's episodes must split into the mini-batches"
     strata = global_size // num_mini_batches
     slot = torch.rand(strata, num_mini_batches, generator=generator).argsort(dim=1)  # stratum's member per mini-batch

@@ -62,9 +62,9 @@ class PolicyAndValue(nn.Module):
         self.value = value
 
     def forward(self, queries: Tensor, query_mask: Tensor, responses: Tensor, response_mask: Tensor,
-                temperature: float) -> PolicyOutput:
+                temperature: float, share_prompts: bool = False) -> PolicyOutput:
         parts = (queries, query_mask, responses, response_mask)
-        logits = response_logits(self.policy, parts, temperature)  # (B, R, V)
+        logits = response_logits(self.policy, parts, temperature, share_prompts=share_prompts)  # (B, R, V)
         logprobs = ops.selective_log_softmax(logits, responses) * response_mask  # (B, R)
         with torch.no_grad():  # a logged statistic, not part of the loss
             entropy = ops.entropy_from_logits(logits)  # (B, R)
@@ -135,6 +135,10 @@ class RLTrainer:
                            "distribution while the loss uses the policy's full one, so the importance ratio is "
                            "off-policy by the truncation (as in TRL); leave them at their defaults for exact PPO")
         model = PolicyAndValue(policy, None if not self.algo.USES_VALUE_MODEL else value_model)
+        # the k samples of a prompt go through its tokens once, in the rollout and in training alike (their numbers
+        # must agree); gradient checkpointing drops the KV cache this needs
+        self.share_prompts = cfg.samples_per_prompt > 1 and not any(
+            getattr(m, "gradient_checkpointing", False) for m in policy.modules())
         deepspeed = self.accelerator.state.deepspeed_plugin
         # one fused kernel for the whole AdamW step, CPU or GPU: a per-tensor step is ~10 small ops per
         # parameter; DeepSpeed steps its own flattened partitions
@@ -244,7 +248,7 @@ class RLTrainer:
         response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
         parts = (queries, query_mask, responses, response_mask)
         if logits is None:
-            logprobs = self._logprobs(model.policy, parts)
+            logprobs = self._logprobs(model.policy, parts, share_prompts=self.share_prompts)
         else:  # the sampling step's own logits: the forward the training step would repeat, saved
             logprobs = ops.selective_log_softmax(logits.float() / cfg.temperature, responses) * response_mask
         if self.ref_policy is None:
@@ -311,7 +315,8 @@ class RLTrainer:
         optimizer_steps = self.state.update * cfg.num_epochs * cfg.num_mini_batches  # before this update
         for _ in range(cfg.num_epochs):
             for mini in mini_batch_indices(plan.batch_size, cfg.num_mini_batches, rank=acc.process_index,
-                                           num_processes=plan.num_processes, generator=generator):
+                                           num_processes=plan.num_processes, generator=generator,
+                                           group_size=cfg.samples_per_prompt):
                 mini = mini.to(batch.queries.device)
                 # all processes' units (at least 1: a mini-batch of left-out episodes gives zero gradients)
                 mini_units = acc.reduce(units[mini].sum(), reduction="sum").clamp(min=1)
@@ -319,7 +324,7 @@ class RLTrainer:
                     with acc.accumulate(self.model):
                         mb = batch[micro]
                         out = self.model(mb.queries, mb.query_mask, mb.responses, mb.response_mask,
-                                         cfg.temperature)
+                                         cfg.temperature, self.share_prompts)
                         loss, stats = self.algo.loss(out, mb, cfg)
                         share = units[micro].sum() * plan.num_processes * cfg.gradient_accumulation_steps
                         acc.backward(loss * share / mini_units)  # accelerate divides by the accumulation steps

@@ -110,8 +110,8 @@ def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Ten
     """Temperature-scaled logits that predicted each response token: (B, R, V).
 
     The logits at position t predict token t+1, hence the slice [P-1, P+R-1). With `share_prompts`, rows with
-    the same prompt (RLOO's k samples) go through it once (`shared_prompt_forward`): equal to rounding, so for
-    frozen models only; the training forward, which must repeat the rollout's numbers exactly, never shares.
+    the same prompt (RLOO's k samples) go through it once (`shared_prompt_forward`, differentiable): equal to
+    rounding, so the rollout's log-probs and the training forward must both share or both not.
     """
     queries, query_mask, responses, response_mask = _parts(batch)
     R = responses.shape[1]

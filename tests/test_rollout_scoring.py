@@ -136,6 +136,22 @@ def test_frozen_forwards_over_shared_prompts_equal_the_full_forwards(make_policy
     torch.testing.assert_close(RewardModelScorer(scorer)(batch), one_by_one, rtol=0, atol=1e-5)
 
 
+def test_training_forward_over_shared_prompts_has_the_full_forwards_gradients(make_policy, prompts):
+    """The shared prompt's KV cache carries the gradient of all its samples: the same log-probs and parameter
+    gradients as a forward over every full sequence."""
+    batch = shared_prompt_batch(prompts)
+    grads = []
+    for share in (False, True):
+        policy = make_policy()
+        logprobs = ops.selective_log_softmax(response_logits(policy, batch, 0.7, share_prompts=share), batch.responses)
+        (logprobs * batch.response_mask * torch.linspace(-1, 1, len(batch))[:, None]).sum().backward()
+        grads.append((logprobs.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    (full, full_grads), (shared, shared_grads) = grads
+    torch.testing.assert_close(shared, full, rtol=0, atol=1e-5)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_generation_prefills_each_shared_prompt_once_with_the_same_samples(make_policy, prompts):
     batch = shared_prompt_batch(prompts)
     keys = ops.episode_keys(0, 0, torch.arange(len(batch)), torch.zeros(len(batch), dtype=torch.long))

@@ -332,6 +332,18 @@ def test_mini_batches_are_the_same_episodes_whatever_the_process_count(num_mini_
     assert one[0] != list(range(size // num_mini_batches)), "mini-batches are drawn at random"
 
 
+def test_one_mini_batch_keeps_a_prompts_samples_side_by_side():
+    """One mini-batch: the shard is shuffled by prompt, so each micro-batch holds whole groups of k samples
+    (their prompt is computed once); with k = 1 it is the plain shuffle."""
+    [order] = mini_batch_indices(24, 1, rank=0, num_processes=1, generator=torch.Generator().manual_seed(3),
+                                 group_size=3)
+    assert sorted(order.tolist()) == list(range(24)) and order.tolist() != list(range(24))
+    groups = order.view(8, 3)
+    assert (groups // 3 == groups[:, :1] // 3).all() and (groups % 3 == torch.arange(3)).all()
+    [plain] = mini_batch_indices(24, 1, rank=0, num_processes=1, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(plain, torch.randperm(24, generator=torch.Generator().manual_seed(3)))
+
+
 def test_episode_keyed_sampling_gives_each_episode_its_completion_whatever_the_batch(tokenizer, prompts, make_policy,
                                                                                      make_scorer_model):
     """sampling_seed=episode: the rollout of the same prompts is the same in chunks of 32 or 8, and changes with
