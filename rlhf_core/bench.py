@@ -63,27 +63,37 @@ def matmul_params(model: nn.Module) -> int:
 
 
 def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
-    """Model FLOPs of one update, the dense-matmul count (2 per weight per token forward, 6 forward +
-    backward; attention scores left out, small at these lengths):
+    """Model FLOPs one update runs, the dense-matmul count (2 per weight per token forward, 6 forward + backward;
+    attention scores left out, small at these lengths), as this trainer computes it:
 
-        rollout   generation 2·N_policy·R per episode (KV cache), then policy and reference forwards over P + R
-                  tokens with the LM head on the R + 1 response positions, PPO's value forward
-        score     the reward model's forward over P + R
+        rollout   generation (prefill over the prompts, the KV cache for the R sampled tokens), the policy's
+                  forward unless its log-probs come from the sampling logits (plain fp32), the reference's
+                  forward with the LM head on the R response positions, PPO's value forward
+        score     the reward model's forward
         update    num_epochs × (forward + backward) of the policy (and PPO's value model)
+
+    With RLOO's k samples per prompt, a shared prompt's tokens count once (`rollout.shared_prompt_forward`):
+    n·P + B·R tokens instead of B·(P + R) for n prompts and B = k·n episodes.
     """
     cfg, model = trainer.cfg, trainer.unwrapped
     policy, value = model.policy, model.value
     head = policy.get_output_embeddings().weight.numel()
     body = matmul_params(policy) - head
-    tokens, responses = prompt_length + cfg.response_length, cfg.response_length
-    policy_forward = 2 * (body * tokens + head * (responses + 1))
-    value_forward = 0 if value is None else 2 * matmul_params(value) * tokens
+    B, P, R, k = trainer.plan.batch_size, prompt_length, cfg.response_length, cfg.samples_per_prompt
+    full = B * (P + R)
+    shared = B // k * P + B * R if k > 1 else full  # what a forward over prompts shared by k samples reads
+
+    def lm_forward(tokens: int) -> int:  # the LM head on the R positions that predict the response only
+        return 2 * (body * tokens + head * B * R)
+
+    generation = lm_forward(B // k * P + B * R if k > 1 else full)  # prefill, then one token at a time
+    policy_tokens = shared if trainer.share_prompts else full
+    rollout_policy = 0 if trainer._generation_logits_exact else lm_forward(policy_tokens)
+    value_forward = 0 if value is None else 2 * matmul_params(value) * full
     reward = getattr(trainer.scorer, "model", None)
-    reward_forward = 0 if reward is None else 2 * matmul_params(reward) * tokens
-    generation = 2 * (body + head) * responses
-    per_episode = (generation + 2 * policy_forward + value_forward + reward_forward
-                   + cfg.num_epochs * 3 * (policy_forward + value_forward))
-    return float(per_episode * trainer.plan.batch_size)
+    reward_forward = 0 if reward is None else 2 * matmul_params(reward) * shared
+    update = cfg.num_epochs * 3 * (lm_forward(policy_tokens) + value_forward)
+    return float(generation + rollout_policy + lm_forward(shared) + value_forward + reward_forward + update)
 
 
 def peak_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024) -> float:

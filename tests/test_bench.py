@@ -21,10 +21,13 @@ def test_update_flops_add_up_the_phases(algo):
     head = policy.get_output_embeddings().weight.numel()
     body = matmul_params(policy) - head
     P, R, B = 48, trainer.cfg.response_length, trainer.plan.batch_size
-    policy_forward = 2 * (body * (P + R) + head * (R + 1))
-    value_forward = 2 * matmul_params(trainer.unwrapped.value) * (P + R) if algo == "ppo" else 0
-    reward_forward = 2 * matmul_params(trainer.scorer.model) * (P + R)
-    expected = B * (2 * (body + head) * R + 2 * policy_forward + value_forward + reward_forward
-                    + trainer.cfg.num_epochs * 3 * (policy_forward + value_forward))
+    assert trainer._generation_logits_exact, "fp32: the policy's rollout log-probs cost no forward"
+    tokens = B * (P + R) if algo == "ppo" else B // 2 * P + B * R  # RLOO's 2 samples read their prompt once
+    lm_forward = 2 * (body * tokens + head * B * R)
+    value_forward = 2 * matmul_params(trainer.unwrapped.value) * B * (P + R) if algo == "ppo" else 0
+    reward_forward = 2 * matmul_params(trainer.scorer.model) * tokens
+    generation, reference = lm_forward, lm_forward
+    expected = (generation + reference + value_forward + reward_forward
+                + trainer.cfg.num_epochs * 3 * (lm_forward + value_forward))
     assert update_flops(trainer, P) == expected
     assert peak_matmul_flops(n=128) > 1e8  # a real measurement, not a constant
