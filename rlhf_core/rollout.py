@@ -152,19 +152,26 @@ def shared_prompt_forward(model: nn.Module, parts: tuple[Tensor, Tensor, Tensor,
     bench-tiny's RLOO (P 48, R 24, k 2) a third fewer; on TL;DR (P ~500, R 53, k 4) ~3x fewer.
     """
     queries, query_mask, responses, response_mask = parts
-    first, inverse = groups
-    P = queries.shape[1]
-    mask = torch.cat([query_mask, response_mask[:, :response_tokens]], dim=1)  # (B, P + r)
-    positions = position_ids(mask)
-    prompts = model(input_ids=queries[first], attention_mask=query_mask[first], position_ids=positions[first, :P],
-                    use_cache=True, **(prompt_kwargs or {}))
+    prompts, cache = prefill_shared_prompts(model, queries, query_mask, groups, **(prompt_kwargs or {}))
     if response_tokens == 0:
         return prompts, None
+    mask = torch.cat([query_mask, response_mask[:, :response_tokens]], dim=1)  # (B, P + r)
+    rest = model(input_ids=responses[:, :response_tokens], attention_mask=mask,
+                 position_ids=position_ids(mask)[:, queries.shape[1]:], use_cache=True, **{CACHE: cache})
+    return prompts, rest
+
+
+def prefill_shared_prompts(model: nn.Module, queries: Tensor, query_mask: Tensor, groups: tuple[Tensor, Tensor],
+                           **kwargs):
+    """The forward of each distinct prompt once (n rows) and its KV cache copied to the B rows that share it:
+    (the prompts' output, the (B, ...) cache)."""
+    first, inverse = groups
+    mask = query_mask[first]
+    prompts = model(input_ids=queries[first], attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                    **kwargs)
     cache = getattr(prompts, CACHE)
     cache.reorder_cache(inverse)  # (n, ...) -> (B, ...)
-    rest = model(input_ids=responses[:, :response_tokens], attention_mask=mask, position_ids=positions[:, P:],
-                 use_cache=True, **{CACHE: cache})
-    return prompts, rest
+    return prompts, cache
 
 
 CACHE = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
@@ -249,15 +256,11 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
 def _shared_prompt_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor) -> dict:
     """`generate`'s prefill, each distinct prompt once (RLOO's k samples): the KV cache of every prompt but its
     last token, copied to the rows that share it; `generate` then feeds the last token. {} when none share."""
-    groups = distinct_prompts(queries[:, :-1], query_mask[:, :-1]) if queries.shape[1] > 1 else None
+    prefixes, prefix_mask = queries[:, :-1], query_mask[:, :-1]
+    groups = distinct_prompts(prefixes, prefix_mask) if queries.shape[1] > 1 else None
     if groups is None:
         return {}
-    first, inverse = groups
-    mask = query_mask[first, :-1]
-    prefix = policy(input_ids=queries[first, :-1], attention_mask=mask, position_ids=position_ids(mask),
-                    use_cache=True, logits_to_keep=1)
-    cache = getattr(prefix, CACHE)
-    cache.reorder_cache(inverse)
+    _, cache = prefill_shared_prompts(policy, prefixes, prefix_mask, groups, logits_to_keep=1)
     return {CACHE: cache}
 
 
