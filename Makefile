@@ -6,11 +6,14 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/python -m pip install --quiet
-# uv resolves and installs the project's ~200 packages in ~20 s where pip takes ~70 s (same pins); pip is the
+# uv resolves and installs the project's ~200 packages in ~5 s where pip takes ~70 s (same pins); pip is the
 # fallback when uv cannot be had or fails. torch stays with pip, installed first (STACK.md); uv keeps it.
-# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set (this project's machines), a venv without
-# .pyc files compiles ~2700 modules at every process start (+6 s per pipeline stage).
-UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python
+UV := $(BIN)/uv pip install --quiet --python $(BIN)/python
+# Bytecode: nothing is compiled at install (all of site-packages is ~20k modules: 27 s with uv, 12 s for torch
+# with pip); Python caches the ~3k modules the pipeline imports the first time it imports them (~6 s, once).
+# Where a machine sets PYTHONDONTWRITEBYTECODE (this project's do), that cache is never written and every
+# process start compiles them again (+6 s per pipeline stage): make's commands run without it.
+unexport PYTHONDONTWRITEBYTECODE
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -29,9 +32,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
-	$(PIP) "$(TORCH_SPEC)"
+	$(PIP) --no-compile "$(TORCH_SPEC)"
 	$(PIP) "uv>=0.9,<1" || true
-	test -x $(BIN)/uv && $(UV) -e ".[dev]" || $(PIP) -e ".[dev]"
+	test -x $(BIN)/uv && $(UV) -e ".[dev]" || $(PIP) --no-compile -e ".[dev]"
 	touch $(STAMP)
 
 # Extra arguments for the run, e.g. make run RUN_ARGS="--set prepare.world.conversational=true"

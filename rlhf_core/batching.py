@@ -16,9 +16,11 @@ Example = tuple[list[int], list[int]]
 """(prompt ids, completion ids ending with EOS unless the completion was cut)."""
 
 
-def encode_example(tokenizer, prompt: str, completion: str, *, max_prompt_tokens: int | None = None,
-                   max_completion_tokens: int | None = None, max_tokens: int | None = None) -> Example:
-    """tokens(prompt), tokens(completion) + [EOS]; each text tokenized alone, without special tokens.
+def encode_examples(tokenizer, texts: Sequence[tuple[str, str]], *, max_prompt_tokens: int | None = None,
+                    max_completion_tokens: int | None = None, max_tokens: int | None = None) -> list[Example]:
+    """(prompt, completion) texts -> [tokens(prompt), tokens(completion) + [EOS]]; each text tokenized alone,
+    without special tokens (all prompts in one batched call, all completions in another: a call per text cost
+    the reward-model stage ~2 s).
 
     - `max_completion_tokens`: completion + EOS keeps its first tokens; a longer completion loses its EOS,
       as in TRL's SFT (the policy is not taught to stop where the data did not).
@@ -26,19 +28,28 @@ def encode_example(tokenizer, prompt: str, completion: str, *, max_prompt_tokens
     - `max_tokens`: the whole fits; the completion keeps its EOS (the token a reward model scores) and the
       prompt keeps its last tokens beside it, at least one.
     """
-    assert tokenizer.eos_token_id is not None, "the tokenizer needs an EOS token: models learn to stop on it"
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if max_completion_tokens is not None:
-        completion_ids = completion_ids[:max_completion_tokens]
-    if max_prompt_tokens is not None:
-        prompt_ids = prompt_ids[-max_prompt_tokens:]
-    if max_tokens is not None:
-        assert max_tokens >= 2, "max_tokens must leave room for a prompt token and the EOS"
-        if len(completion_ids) > max_tokens - 1:
-            completion_ids = completion_ids[:max_tokens - 2] + [tokenizer.eos_token_id]
-        prompt_ids = prompt_ids[-(max_tokens - len(completion_ids)):]
-    return prompt_ids, completion_ids
+    eos = tokenizer.eos_token_id
+    assert eos is not None, "the tokenizer needs an EOS token: models learn to stop on it"
+    assert max_tokens is None or max_tokens >= 2, "max_tokens must leave room for a prompt token and the EOS"
+    prompts, completions = (token_ids(tokenizer, [pair[i] for pair in texts]) for i in (0, 1))
+    examples = []
+    for prompt_ids, completion_ids in zip(prompts, completions, strict=True):
+        completion_ids = completion_ids + [eos]
+        if max_completion_tokens is not None:
+            completion_ids = completion_ids[:max_completion_tokens]
+        if max_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-max_prompt_tokens:]
+        if max_tokens is not None:
+            if len(completion_ids) > max_tokens - 1:
+                completion_ids = completion_ids[:max_tokens - 2] + [eos]
+            prompt_ids = prompt_ids[-(max_tokens - len(completion_ids)):]
+        examples.append((prompt_ids, completion_ids))
+    return examples
+
+
+def token_ids(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Each text's tokens, without special tokens, in one batched call."""
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
 
 
 def pad(sequences: Sequence[Sequence[int]], pad_value: int, side: Literal["left", "right"],

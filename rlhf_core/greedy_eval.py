@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_core import ops
-from rlhf_core.batching import pad
+from rlhf_core.batching import pad, token_ids
 from rlhf_core.rollout import Rollout, response_logits, stop_mask
 from rlhf_core.scoring import GoldFn, Scorer
 
@@ -102,7 +102,7 @@ def evaluate(policy: nn.Module, reference: nn.Module, tokenizer, prompts: Sequen
     """Greedy completions of `policy` and `reference` on `prompts`, scored by `scorer` (and `gold`);
     `on_batch(n)` after each generation batch (2 * len(prompts) in all)."""
     pad, stop = tokenizer.pad_token_id, tokenizer.eos_token_id
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids = token_ids(tokenizer, prompts)
     kwargs = dict(response_length=response_length, pad_token_id=pad, stop_token_id=stop, batch_size=batch_size,
                   on_batch=on_batch)
     policy_batch, ref_batch = greedy_rollout(policy, prompt_ids, **kwargs), greedy_rollout(reference, prompt_ids, **kwargs)

@@ -2,9 +2,10 @@
 
 Each completion is scored as  prompt + completion + [EOS]  by a sequence classifier (num_labels=1) at its
 LAST REAL TOKEN (the EOS), exactly as `scoring.RewardModelScorer` scores rollouts during RL: the same
-`last_token_scores`, position ids from the attention mask. Chosen and rejected completions of a
-micro-batch go through one forward, right-padded together. The loss is Stiennon et al. (2020) / TRL's
-RewardTrainer:  -log sigmoid(r_chosen - r_rejected).
+`completion_scores`, the same layout (prompts left-padded, completions right-padded), position ids from the
+attention mask. A micro-batch's chosen and rejected completions go through one forward, and a pair's prompt runs
+once for both (its KV cache feeds the two completions: ~30 % less compute than TRL's two full sequences on the
+demo's pairs). The loss is Stiennon et al. (2020) / TRL's RewardTrainer:  -log sigmoid(r_chosen - r_rejected).
 
 `rlhf_core.models.reward_model_from_policy` starts a reward (or value) model from the SFT policy's backbone,
 as summarize-from-feedback does.
@@ -20,40 +21,49 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import Tensor, nn
 
-from rlhf_core.batching import encode_example, pad
+from rlhf_core.batching import Example, encode_examples, pad
 from rlhf_core.config import RewardConfig
-from rlhf_core.scoring import GoldFn, LastTokenScores
+from rlhf_core.rollout import gradient_checkpointing
+from rlhf_core.scoring import CompletionScores, GoldFn
 from rlhf_core.supervised import Batch, Progress, Row, TrainResult, fit
 
 
-def encode_pairs(tokenizer, rows: Sequence[Row], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """Rows -> (chosen ids, rejected ids), each prompt + completion + EOS, the prompt cut to fit max_length."""
-    def encode(row: Row, key: str) -> list[int]:
-        prompt, completion = encode_example(tokenizer, row["prompt"], row[key], max_tokens=max_length)
-        return prompt + completion
-
-    return [(encode(row, "chosen"), encode(row, "rejected")) for row in rows]
+Pair = tuple[Example, Example]
+"""(chosen, rejected), each (prompt ids, completion ids + EOS)."""
 
 
-def pair_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
-    """Right-pad a micro-batch of B pairs into 2B rows: the chosen completions, then the rejected ones."""
-    sequences = [chosen for chosen, _ in examples] + [rejected for _, rejected in examples]
-    input_ids, attention_mask = pad(sequences, pad_token_id, "right")  # (2B, T)
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+def encode_pairs(tokenizer, rows: Sequence[Row], max_length: int) -> list[Pair]:
+    """Rows -> (chosen, rejected) examples, each prompt + completion + EOS, the prompt cut to fit max_length."""
+    chosen, rejected = (encode_examples(tokenizer, [(row["prompt"], row[key]) for row in rows], max_tokens=max_length)
+                        for key in ("chosen", "rejected"))
+    return list(zip(chosen, rejected, strict=True))
+
+
+def pair_length(pair: Pair) -> int:
+    """Tokens of a pair's longer sequence: what grouping micro-batches by length sorts on."""
+    return max(len(prompt) + len(completion) for prompt, completion in pair)
+
+
+def pair_collate(pairs: Sequence[Pair], pad_token_id: int) -> Batch:
+    """A micro-batch of B pairs as 2B rows, the chosen completions then the rejected ones, in the rollout layout:
+    prompts left-padded (2B, P), completions right-padded (2B, R), `last` (2B,) each completion's EOS."""
+    rows = [chosen for chosen, _ in pairs] + [rejected for _, rejected in pairs]
+    queries, query_mask = pad([prompt for prompt, _ in rows], pad_token_id, "left")
+    completions, completion_mask = pad([completion for _, completion in rows], pad_token_id, "right")
+    return {"queries": queries, "query_mask": query_mask, "completions": completions,
+            "completion_mask": completion_mask, "last": completion_mask.sum(1) - 1}
 
 
 def pair_scores(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
     """Rewards of the chosen and the rejected completions, each (B,), scored at their last real token.
-    `model`: a sequence classifier, or the LastTokenScores module a trainer prepared around one."""
-    scorer = model if not hasattr(model, "config") else LastTokenScores(model)
-    mask = batch["attention_mask"]  # (2B, T), right-padded
-    chosen, rejected = scorer(batch["input_ids"], mask, mask.sum(1) - 1).chunk(2)  # (B,), (B,)
-    return chosen, rejected
+    `model`: a sequence classifier, or the CompletionScores module a trainer prepared around one."""
+    scorer = CompletionScores(model) if hasattr(model, "config") else model
+    return scorer(**batch).chunk(2)  # (B,), (B,)
 
 
 def pairs_in(batch: Batch) -> Tensor:
     """Number of pairs in a collated micro-batch: the units the pairwise loss averages over."""
-    return torch.tensor(batch["input_ids"].shape[0] // 2)
+    return torch.tensor(batch["queries"].shape[0] // 2)
 
 
 def pairwise_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
@@ -77,7 +87,7 @@ def train_reward_model(cfg: RewardConfig, model: nn.Module, tokenizer, train_row
     if num_labels != 1:
         raise ValueError(f"reward model must have num_labels=1, got {num_labels}")
     examples = encode_pairs(tokenizer, train_rows, cfg.max_length)
-    result = fit(cfg, LastTokenScores(model), examples, [max(len(c), len(r)) for c, r in examples],
+    result = fit(cfg, CompletionScores(model, share_prompts=not gradient_checkpointing(model)), examples, [pair_length(p) for p in examples],
                  collate=lambda ex: pair_collate(ex, tokenizer.pad_token_id),
                  losses_fn=pair_losses, units_fn=pairs_in,
                  evaluate=lambda m: evaluate_reward_model(m.model, tokenizer, eval_rows, gold, cfg=cfg),

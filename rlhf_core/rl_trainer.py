@@ -35,6 +35,7 @@ from rlhf_core.models import disable_dropout
 from rlhf_core.rollout import (
     PolicyOutput,
     Rollout,
+    gradient_checkpointing,
     response_logits,
     sample_responses,
     stop_mask,
@@ -137,8 +138,7 @@ class RLTrainer:
         model = PolicyAndValue(policy, None if not self.algo.USES_VALUE_MODEL else value_model)
         # the k samples of a prompt go through its tokens once, in the rollout and in training alike (their numbers
         # must agree); gradient checkpointing drops the KV cache this needs
-        self.share_prompts = cfg.samples_per_prompt > 1 and not any(
-            getattr(m, "gradient_checkpointing", False) for m in policy.modules())
+        self.share_prompts = cfg.samples_per_prompt > 1 and not gradient_checkpointing(policy)
         deepspeed = self.accelerator.state.deepspeed_plugin
         # one fused kernel for the whole AdamW step, CPU or GPU: a per-tensor step is ~10 small ops per
         # parameter; DeepSpeed steps its own flattened partitions

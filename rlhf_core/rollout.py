@@ -174,6 +174,12 @@ def prefill_shared_prompts(model: nn.Module, queries: Tensor, query_mask: Tensor
     return prompts, cache
 
 
+def gradient_checkpointing(model: nn.Module) -> bool:
+    """Whether any part of `model` recomputes activations in the backward: it then keeps no KV cache, so rows
+    cannot share a prompt's forward (the prompt's cache would be dropped)."""
+    return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+
+
 CACHE = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
 """The KV cache's name in model calls and outputs: transformers 5.24 renamed `past_key_values` to `cache`."""
 

@@ -30,38 +30,40 @@ class Scorer(Protocol):
         ...
 
 
-def last_token_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
-                      last_index: Tensor) -> Tensor:
-    """Score head output at `last_index` of each row: (B,).
+def completion_scores(model: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor], last: Tensor, *,
+                      share_prompts: bool = True) -> Tensor:
+    """A sequence classifier's score of each completion, read at `last` (B,): the index, within the completion,
+    of its last real token (the stop token when there is one). (B,)
 
-    input_ids / attention_mask (B, T); last_index (B,) the position of each row's last real token.
+    parts: prompts (B, P) left-padded, their mask, completions (B, R) right-padded, their mask. Rows with the same
+    prompt (RLOO's k samples, a preference pair's two completions) run it once (`shared_prompt_forward`) unless
+    `share_prompts` is False: under gradient checkpointing, which keeps no KV cache.
     """
-    hidden = backbone_hidden(model, input_ids, attention_mask)  # (B, T, H)
-    last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_index]  # (B, H)
-    return score_head(model)(last).squeeze(-1).float()  # (B,)
+    queries, query_mask, completions, completion_mask = parts
+    groups = distinct_prompts(queries, query_mask) if share_prompts and queries.shape[1] else None
+    if groups is None:
+        mask = torch.cat([query_mask, completion_mask], dim=1)
+        hidden = backbone_hidden(model, torch.cat([queries, completions], dim=1), mask)[:, queries.shape[1]:]
+    else:
+        backbone = getattr(model, model.base_model_prefix)
+        _, rest = shared_prompt_forward(backbone, parts, groups, response_tokens=completions.shape[1])
+        hidden = rest.last_hidden_state  # (B, R, H)
+    picked = hidden[torch.arange(len(hidden), device=hidden.device), last]  # (B, H)
+    return score_head(model)(picked).squeeze(-1).float()  # (B,)
 
 
-def shared_prompt_scores(model: nn.Module, batch: Rollout, groups: tuple[Tensor, Tensor]) -> Tensor:
-    """`last_token_scores` of a batch whose rows share prompts (`distinct_prompts`), each prompt computed once:
-    the scored token (the last real one) is always in the response. (B,)"""
-    parts = (batch.queries, batch.query_mask, batch.responses, batch.response_mask)
-    backbone = getattr(model, model.base_model_prefix)
-    _, rest = shared_prompt_forward(backbone, parts, groups, response_tokens=batch.responses.shape[1])
-    hidden = rest.last_hidden_state  # (B, R, H)
-    last = hidden[torch.arange(len(batch), device=hidden.device), batch.response_lengths - 1]  # (B, H)
-    return score_head(model)(last).squeeze(-1).float()  # (B,)
+class CompletionScores(nn.Module):
+    """`completion_scores` as one module: what a trainer prepares (DDP, DeepSpeed) so that the backbone and the
+    score head run inside its forward, where gradients are synchronized."""
 
-
-class LastTokenScores(nn.Module):
-    """A sequence classifier read at given positions, as one module: what a trainer prepares (DDP, DeepSpeed)
-    so that the backbone and the score head run inside its forward, where gradients are synchronized."""
-
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, share_prompts: bool = True):
         super().__init__()
-        self.model = model
+        self.model, self.share_prompts = model, share_prompts
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
-        return last_token_scores(self.model, input_ids, attention_mask, last_index)  # (B,)
+    def forward(self, queries: Tensor, query_mask: Tensor, completions: Tensor, completion_mask: Tensor,
+                last: Tensor) -> Tensor:
+        parts = (queries, query_mask, completions, completion_mask)
+        return completion_scores(self.model, parts, last, share_prompts=self.share_prompts)  # (B,)
 
 
 class RewardModelScorer:
@@ -80,12 +82,8 @@ class RewardModelScorer:
         out = []
         for start in range(0, len(batch), self.batch_size):
             chunk = batch[start:start + self.batch_size].to(device)
-            groups = distinct_prompts(chunk.queries, chunk.query_mask)
-            if groups is not None:  # RLOO's k samples of a prompt: the prompt once
-                out.append(shared_prompt_scores(self.model, chunk, groups))
-                continue
-            last = chunk.context_length + chunk.response_lengths - 1  # (b,) last real token
-            out.append(last_token_scores(self.model, chunk.input_ids, chunk.attention_mask, last))
+            parts = (chunk.queries, chunk.query_mask, chunk.responses, chunk.response_mask)
+            out.append(completion_scores(self.model, parts, chunk.response_lengths - 1))
         return torch.cat(out).to(batch.queries.device)
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import Tensor, nn
 
-from rlhf_core.batching import encode_example, pad
+from rlhf_core.batching import encode_examples, pad, token_ids
 from rlhf_core.config import SFTConfig
 from rlhf_core.greedy_eval import decode_responses, greedy_rollout
 from rlhf_core.rollout import position_ids
@@ -26,13 +26,10 @@ IGNORE_INDEX = -100  # torch's cross-entropy skips this label
 
 def encode_sft(tokenizer, rows: Sequence[Row], cfg: SFTConfig) -> list[tuple[list[int], list[int]]]:
     """Rows -> (input_ids, labels): prompt + completion + EOS, the prompt labelled IGNORE_INDEX."""
-    out = []
-    for row in rows:
-        prompt, completion = encode_example(tokenizer, row["prompt"], row["completion"],
-                                            max_prompt_tokens=cfg.max_prompt_length,
-                                            max_completion_tokens=cfg.max_completion_length)
-        out.append((prompt + completion, [IGNORE_INDEX] * len(prompt) + completion))
-    return out
+    examples = encode_examples(tokenizer, [(row["prompt"], row["completion"]) for row in rows],
+                               max_prompt_tokens=cfg.max_prompt_length,
+                               max_completion_tokens=cfg.max_completion_length)
+    return [(prompt + completion, [IGNORE_INDEX] * len(prompt) + completion) for prompt, completion in examples]
 
 
 def sft_collate(examples: Sequence[tuple[list[int], list[int]]], pad_token_id: int) -> Batch:
@@ -49,12 +46,17 @@ def completion_tokens(batch: Batch) -> Tensor:
 
 def token_losses(model: nn.Module, batch: Batch) -> dict[str, Tensor]:
     """Cross-entropy of each supervised token: {"loss": (U,)}, U = completion_tokens(batch)."""
-    mask = batch["attention_mask"]
-    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask)).logits
-    labels = batch["labels"][:, 1:]  # (B, T-1): position t predicts token t+1
-    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
-                          ignore_index=IGNORE_INDEX, reduction="none")  # (B*(T-1),)
-    return {"loss": nll[labels.flatten() != IGNORE_INDEX]}  # (U,)
+    mask, labels = batch["attention_mask"], batch["labels"][:, 1:]  # labels (B, T-1): position t predicts token t+1
+    supervised = (labels != IGNORE_INDEX).any(0)  # (T-1,)
+    first = int(supervised.int().argmax()) if supervised.any() else labels.shape[1]
+    # logits from the first supervised position on (+ the last one, which predicts nothing): a prompt position's
+    # logits would be a (B, P, V) LM-head matmul and cross-entropy for nothing
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask),
+                   logits_to_keep=labels.shape[1] - first + 1).logits  # (B, T-first, V)
+    labels = labels[:, first:].flatten()
+    nll = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX,
+                          reduction="none")  # (B*(T-1-first),)
+    return {"loss": nll[labels != IGNORE_INDEX]}  # (U,)
 
 
 def train_sft(cfg: SFTConfig, model: nn.Module, tokenizer, train_rows: Sequence[Row],
@@ -86,7 +88,7 @@ def sft_loss(model: nn.Module, tokenizer, rows: Sequence[Row], cfg: SFTConfig) -
 def greedy_completions(model: nn.Module, tokenizer, prompts: Sequence[str], *, max_new_tokens: int,
                        batch_size: int, max_prompt_length: int = 256) -> list[tuple[str, bool]]:
     """Greedy completions of `prompts` from left-padded batches: (text without EOS, ended_with_eos)."""
-    ids = [p[-max_prompt_length:] for p in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
+    ids = [p[-max_prompt_length:] for p in token_ids(tokenizer, prompts)]
     batch = greedy_rollout(model, ids, response_length=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                            stop_token_id=tokenizer.eos_token_id, batch_size=batch_size)
     return list(zip(decode_responses(tokenizer, batch), batch.contains_stop.tolist(), strict=True))

@@ -22,8 +22,8 @@ from rlhf_core.reward_trainer import (
     pairwise_loss,
     train_reward_model,
 )
-from rlhf_core.rollout import Rollout, backbone_hidden
-from rlhf_core.scoring import RewardModelScorer
+from rlhf_core.rollout import Rollout, backbone_hidden, distinct_prompts, position_ids
+from rlhf_core.scoring import CompletionScores, RewardModelScorer
 from rlhf_core.sft_trainer import (
     IGNORE_INDEX,
     encode_sft,
@@ -112,11 +112,27 @@ def test_sft_loss_gets_no_gradient_from_prompt_or_padding_positions(world, token
     model = KeepLogits(init_causal_lm(model_config, seed=0))
     batch = sft_collate(encode_sft(tokenizer, world["sft_train"][:2], SFTConfig()), tokenizer.pad_token_id)
     token_losses(model, batch)["loss"].sum().backward()
-    touched = model.logits.grad.abs().sum(-1) > 0  # (B, T): positions whose prediction is in the loss
-    predicts_completion = torch.zeros_like(touched)
+    touched = model.logits.grad.abs().sum(-1) > 0  # (B, N): the last N positions, those the LM head ran on
+    predicts_completion = torch.zeros_like(batch["attention_mask"])  # (B, T)
     predicts_completion[:, :-1] = batch["labels"][:, 1:] != IGNORE_INDEX  # position t predicts token t+1
-    assert torch.equal(touched, predicts_completion)
+    N = touched.shape[1]
+    assert N < batch["input_ids"].shape[1] / 2, "the LM head skips the prompt positions before the first completion"
+    assert not predicts_completion[:, :-N].any()
+    assert torch.equal(touched, predicts_completion[:, -N:])
     assert predicts_completion.sum() < batch["attention_mask"].sum() / 3  # most positions are prompt
+
+
+def test_sft_token_losses_equal_the_cross_entropy_of_the_full_logits(world, tokenizer, model_config):
+    model = init_causal_lm(model_config, seed=0)
+    batch = sft_collate(encode_sft(tokenizer, world["sft_train"][:8], SFTConfig()), tokenizer.pad_token_id)
+    with torch.no_grad():
+        losses = token_losses(model, batch)["loss"]
+        mask = batch["attention_mask"]
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=position_ids(mask)).logits
+    labels = batch["labels"][:, 1:].flatten()
+    full = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels, ignore_index=IGNORE_INDEX,
+                                             reduction="none")
+    torch.testing.assert_close(losses, full[labels != IGNORE_INDEX], rtol=0, atol=1e-5)
 
 
 def test_sft_lowers_held_out_loss(world, tokenizer, model_config):
@@ -202,13 +218,55 @@ def test_reward_is_read_at_the_last_real_token_whatever_the_padding(world, token
     with torch.no_grad():
         together = pair_scores(model, pair_collate(examples, tokenizer.pad_token_id))
         alone = [pair_scores(model, pair_collate([ex], tokenizer.pad_token_id)) for ex in examples]
-        chosen_ids = torch.tensor([examples[0][0]])  # unpadded, ends with EOS
+        chosen_ids = torch.tensor([sum(examples[0][0], [])])  # prompt + completion, unpadded, ends with EOS
         hidden = backbone_hidden(model, chosen_ids, torch.ones_like(chosen_ids))  # (1, T, H)
         by_hand = model.score(hidden[:, -1]).squeeze()
     torch.testing.assert_close(together[0], torch.cat([c for c, _ in alone]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together[1], torch.cat([r for _, r in alone]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(together[0][0], by_hand, atol=1e-5, rtol=1e-5)
-    assert examples[0][0][-1] == tokenizer.eos_token_id
+    assert examples[0][0][1][-1] == tokenizer.eos_token_id
+
+
+def test_a_pairs_prompt_runs_once_with_the_full_forwards_scores_and_gradients(world, tokenizer, model_config):
+    """Reward training runs a pair's prompt once for its two completions (a KV cache): the same scores and
+    parameter gradients as a forward over each full sequence, also where max_length cut one side's prompt
+    more than the other's (those rows then run their own prompts)."""
+    rows = world["prefs_train"][:6]
+    examples = encode_pairs(tokenizer, rows[:5], max_length=320) + encode_pairs(tokenizer, rows[5:], max_length=40)
+    (cut_prompt, _), (other_prompt, _) = examples[-1]
+    assert cut_prompt != other_prompt, "the last pair's prompts differ: its longer completion cut more prompt"
+    batch = pair_collate(examples, tokenizer.pad_token_id)
+    groups = distinct_prompts(batch["queries"], batch["query_mask"])
+    assert groups is not None and len(groups[0]) == 7, "5 shared prompts + the cut pair's 2"
+    results = []
+    for share in (False, True):
+        model = init_sequence_scorer(model_config, seed=0)
+        chosen, rejected = pair_scores(CompletionScores(model, share_prompts=share), batch)
+        pairwise_loss(chosen, rejected).sum().backward()
+        results.append((torch.cat([chosen, rejected]).detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (full, full_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared, full, rtol=0, atol=1e-5)
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_reward_training_shares_prompts_unless_gradient_checkpointing_drops_the_cache(world, tokenizer, model_config,
+                                                                                     monkeypatch):
+    seen = []  # (checkpointing, shares prompts) of every training forward
+    forward = CompletionScores.forward
+
+    def recording(self, *args, **kwargs):
+        if self.model.training:
+            seen.append((self.model.is_gradient_checkpointing, self.share_prompts))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionScores, "forward", recording)
+    for checkpointing in (False, True):
+        model = init_sequence_scorer(model_config, seed=0)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        train_reward_model(RewardConfig(**FAST), model, tokenizer, world["prefs_train"][:8], world["prefs_eval"][:4])
+    assert set(seen) == {(False, True), (True, False)}
 
 
 def test_training_scores_match_the_rl_scorer(world, tokenizer, model_config):

@@ -10,7 +10,7 @@ Two scoring paths are probed, because both are used on the same checkpoints:
 - "scorer": `rlhf_core.scoring.RewardModelScorer`, what this pipeline's reward training, RL and evaluation
   score with: the last real token taken from the attention mask.
 
-Each completion is encoded the pipeline's way, prompt + completion + EOS (rlhf_core.batching.encode_example), so
+Each completion is encoded the pipeline's way, prompt + completion + EOS (rlhf_core.batching.encode_examples), so
 the token that must be scored is the EOS. Which position a path scores is found by matching its score to
 the score head applied at every position of the backbone's hidden states; the claims are then verified by
 perturbation: changing the last real token must change the score, changing padding content or amount, the

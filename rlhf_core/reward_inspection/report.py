@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from rlhf_core.batching import Example, encode_example
+from rlhf_core.batching import Example, encode_examples
 from rlhf_core.config import InspectionConfig
 from rlhf_core.reward_inspection.checks import PATHS, Check, Probe, run_checks, score_fn
 from rlhf_core.reward_inspection.layouts import rollout_layout, synthetic_examples
@@ -85,7 +85,7 @@ def score_texts(model: nn.Module, tokenizer, pairs: Sequence[dict], prompts: Seq
     out = {}
     for name, texts in sets.items():
         if texts:
-            examples = [encode_example(tokenizer, p, c, max_tokens=cfg.max_length) for p, c in texts]
+            examples = encode_examples(tokenizer, texts, max_tokens=cfg.max_length)
             out[name] = {"scores": score_examples(model, examples, tokenizer.pad_token_id, cfg),
                          "lengths": torch.tensor([len(c) - 1 for _, c in examples])}
     return out
@@ -143,7 +143,7 @@ def run_all_checks(model: nn.Module, tokenizer, pairs: Sequence[dict], prompts: 
     texts = [(r["prompt"], r["chosen"]) for r in pairs] + [(r["prompt"], r["reference"]) for r in prompts
                                                           if r.get("reference")]
     specials = {t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, config_pad) if t is not None}
-    examples = [encode_example(tokenizer, p, c, max_tokens=cfg.max_length) for p, c in texts[:cfg.num_probes]] or \
+    examples = encode_examples(tokenizer, texts[:cfg.num_probes], max_tokens=cfg.max_length) or \
         synthetic_examples(vocab_size, specials, tokenizer.eos_token_id, cfg.num_probes)
     decode = lambda t: tokenizer.decode([t])  # noqa: E731
     checks = []

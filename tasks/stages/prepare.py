@@ -68,11 +68,12 @@ def length_filter(rows: Sequence[dict], tokenizer, cfg: PrepareParams) -> list[d
     """Drop rows whose prompt or completion texts (as the chat template renders them) exceed the token budgets."""
     limits = {"prompt": cfg.max_prompt_tokens}
     limits.update({k: cfg.max_completion_tokens for k in chat.ANSWER_COLUMNS})
-    def fits(row: dict) -> bool:
-        rendered = chat.render_row(row, tokenizer, cfg.chat_template_kwargs)
-        return all(len(tokenizer(v, add_special_tokens=False)["input_ids"]) <= limits[k]
-                   for k, v in rendered.items() if k in limits and isinstance(v, str))
-    return [row for row in rows if fits(row)]
+    cells = [(i, limits[k], text) for i, row in enumerate(rows)
+             for k, text in chat.render_row(row, tokenizer, cfg.chat_template_kwargs).items()
+             if k in limits and isinstance(text, str)]
+    lengths = map(len, tokenizer([text for *_, text in cells], add_special_tokens=False)["input_ids"] if cells else [])
+    too_long = {i for (i, limit, _), length in zip(cells, lengths, strict=True) if length > limit}
+    return [row for i, row in enumerate(rows) if i not in too_long]
 
 
 def world_splits(params: Params) -> dict[str, list[dict]]:
