@@ -27,7 +27,6 @@ from rlhf_core.rollout import gradient_checkpointing
 from rlhf_core.scoring import CompletionScores, GoldFn
 from rlhf_core.supervised import Batch, Progress, Row, TrainResult, fit
 
-
 Pair = tuple[Example, Example]
 """(chosen, rejected), each (prompt ids, completion ids + EOS)."""
 
