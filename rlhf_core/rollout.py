@@ -26,9 +26,9 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from rlhf_core import ops
+from rlhf_core.kv_cache import CACHE, GrowingCache
 
 
 @dataclass(frozen=True)
@@ -180,10 +180,6 @@ def gradient_checkpointing(model: nn.Module) -> bool:
     return any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
 
 
-CACHE = "cache" if "cache" in {f.name for f in fields(BaseModelOutputWithPast)} else "past_key_values"
-"""The KV cache's name in model calls and outputs: transformers 5.24 renamed `past_key_values` to `cache`."""
-
-
 def _parts(batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if isinstance(batch, Rollout):
         return batch.queries, batch.query_mask, batch.responses, batch.response_mask
@@ -246,7 +242,8 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
                               eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True,
                               output_logits=keep_logits)
     out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
-                          logits_processor=processors, **_shared_prompt_cache(policy, queries, query_mask))
+                          logits_processor=processors,
+                          **{CACHE: _sampling_cache(policy, queries, query_mask, capacity=queries.shape[1] + response_length)})
     responses = out.sequences[:, queries.shape[1]:]  # (B, <=R)
     missing = response_length - responses.shape[1]  # every row stopped before R
     if missing:
@@ -259,15 +256,16 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
     return responses, logits
 
 
-def _shared_prompt_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor) -> dict:
-    """`generate`'s prefill, each distinct prompt once (RLOO's k samples): the KV cache of every prompt but its
-    last token, copied to the rows that share it; `generate` then feeds the last token. {} when none share."""
+def _sampling_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, capacity: int) -> GrowingCache:
+    """The KV cache `generate` samples with, room for `capacity` tokens. Rows that share their prompt (RLOO's k
+    samples) are prefilled here, each distinct prompt once: the cache of every prompt but its last token, copied
+    to the rows that share it; `generate` then feeds the last token. Otherwise empty: `generate` prefills it."""
+    cache = GrowingCache(capacity)
     prefixes, prefix_mask = queries[:, :-1], query_mask[:, :-1]
     groups = distinct_prompts(prefixes, prefix_mask) if queries.shape[1] > 1 else None
-    if groups is None:
-        return {}
-    _, cache = prefill_shared_prompts(policy, prefixes, prefix_mask, groups, logits_to_keep=1)
-    return {CACHE: cache}
+    if groups is not None:
+        prefill_shared_prompts(policy, prefixes, prefix_mask, groups, logits_to_keep=1, **{CACHE: cache})
+    return cache
 
 
 def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,

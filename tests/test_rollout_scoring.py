@@ -5,13 +5,14 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from conftest import TINY_VOCAB, target_fraction
 from rlhf_core import ops
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
+from rlhf_core.kv_cache import CACHE, GrowingCache
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.rollout import (
@@ -165,6 +166,38 @@ def test_generation_prefills_each_shared_prompt_once_with_the_same_samples(make_
     lengths = stop_mask(shared, 1)[0].sum(1)  # after its stop token a row's logits are of no use
     for i, (_, logits) in enumerate(alone):
         torch.testing.assert_close(shared_logits[i, :lengths[i]], logits[0, :lengths[i]], rtol=0, atol=1e-5)
+
+
+def test_growing_cache_decodes_as_the_dynamic_cache(make_policy, prompts):
+    """GrowingCache appends in place into spare room: the same greedy tokens and logits as transformers' own
+    DynamicCache, from an empty cache and from a prefilled one whose rows were reordered (RLOO's shared prompts)
+    so that its first append must reallocate; its keys stay views of one buffer while there is room."""
+    policy = make_policy()
+    queries, query_mask = pad(prompts[:6], 0, "left")
+    kwargs = dict(input_ids=queries, attention_mask=query_mask.long(), do_sample=False, max_new_tokens=9,
+                  pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    expected = policy.generate(**kwargs, **{CACHE: DynamicCache()})
+    cache = GrowingCache(queries.shape[1] + 9)
+    got = policy.generate(**kwargs, **{CACHE: cache})
+    assert torch.equal(got.sequences, expected.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-6)
+    layer = cache.layers[0]
+    assert layer.keys._base is layer._buffers[0] and layer._buffers[0].shape[2] == queries.shape[1] + 9
+
+    small = GrowingCache(capacity=1)  # too small: grows by doubling, still exact
+    policy(input_ids=queries, attention_mask=query_mask, position_ids=position_ids(query_mask), use_cache=True,
+           **{CACHE: small})
+    reordered = torch.tensor([2, 2, 0, 5, 1, 1])
+    small.reorder_cache(reordered)  # a new tensor: the next append reallocates
+    ids, mask = queries[reordered], query_mask[reordered]
+    for token in (7, 8, 9):  # three appends into the cache; each step's logits as a full forward's
+        ids = torch.cat([ids, torch.full((6, 1), token)], dim=1)
+        mask = torch.cat([mask, torch.ones(6, 1, dtype=torch.bool)], dim=1)
+        step = policy(input_ids=ids[:, -1:], attention_mask=mask, position_ids=position_ids(mask)[:, -1:],
+                      use_cache=True, **{CACHE: small}).logits
+        full = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -1:]
+        torch.testing.assert_close(step, full, rtol=0, atol=1e-5)
+    assert small.layers[0].keys.shape[2] == queries.shape[1] + 3
 
 
 def test_reward_model_scores_the_last_real_token(make_scorer_model):
