@@ -78,10 +78,11 @@ def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[st
             **ops.clip_ratios(logratio.exp(), mb.advantages, mask, cfg.cliprange, cfg.epsilon_high),
             "policy/approxkl_avg": 0.5 * ops.masked_mean(logratio**2, mask),
             "policy/clipfrac_avg": pg_clipfrac,
-            "policy/entropy_avg": ops.masked_mean(out.entropy, mask),
             "loss/policy_avg": pg_loss.detach(),
             "loss/value_avg": vf_loss.detach(),
             "val/clipfrac_avg": vf_clipfrac,
             "val/ratio": ops.masked_mean(logratio.exp(), mask),
         }
+        if out.entropy is not None:  # measured in the first epoch only (RLTrainer.optimize)
+            stats["policy/entropy_avg"] = ops.masked_mean(out.entropy, mask)
     return pg_loss + cfg.ppo.vf_coef * vf_loss, stats

@@ -103,8 +103,9 @@ def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[st
             **ops.clip_ratios(logratio.exp(), mb.advantages, unit_mask, cfg.cliprange, cfg.epsilon_high),
             "policy/approxkl_avg": 0.5 * ops.masked_mean(logratio**2, unit_mask),
             "policy/clipfrac_avg": pg_clipfrac,
-            "policy/entropy_avg": ops.masked_mean(out.entropy, mask),
             "loss/policy_avg": pg_loss.detach(),
             "val/ratio": ops.masked_mean(logratio.exp(), unit_mask),
         }
+        if out.entropy is not None:  # measured in the first epoch only (RLTrainer.optimize)
+            stats["policy/entropy_avg"] = ops.masked_mean(out.entropy, mask)
     return pg_loss, stats

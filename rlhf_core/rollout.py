@@ -316,5 +316,5 @@ class PolicyOutput:
     """What the training forward of a micro-batch produces (with grad)."""
 
     logprobs: Tensor  # (B, R) log-probs of the sampled tokens under the current policy
-    entropy: Tensor  # (B, R) entropy of the current policy at each response position
+    entropy: Tensor | None  # (B, R) entropy of the current policy at each response position; None: not measured
     values: Tensor | None = None  # (B, R) current value estimates (PPO)
