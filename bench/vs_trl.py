@@ -104,21 +104,26 @@ def steady_eps(result: dict, warmup: int) -> float:
 
 
 def summarize(runs: list[dict], warmup: int) -> dict:
-    """Median over pairs, per algorithm and side, and our/TRL ratios."""
+    """Median over pairs, per algorithm and side, and our/TRL ratios: the ratio of the medians and, since a shared
+    machine drifts by tens of percent within a run, each pair's ratio (its two runs were side by side) and their
+    median. `runs` lists each algorithm's runs pair by pair."""
     out = {}
     for algo in sorted({r["algo"] for r in runs}):
-        row = {}
+        row, eps = {}, {}
         for side in ("ours", "trl"):
             mine = [r for r in runs if r["algo"] == algo and r["side"] == side]
+            eps[side] = [steady_eps(r, warmup) for r in mine]
             memory_key = "peak_gpu_gib" if "peak_gpu_gib" in mine[0] else "peak_rss_mib"
-            row[side] = {"episodes_per_s": statistics.median(steady_eps(r, warmup) for r in mine),
+            row[side] = {"episodes_per_s": statistics.median(eps[side]),
                          memory_key: statistics.median(r[memory_key] for r in mine),
-                         "runs": [round(steady_eps(r, warmup), 2) for r in mine]}
+                         "runs": [round(e, 2) for e in eps[side]]}
             if side == "ours":
                 row[side]["phases_s"] = {k: statistics.median(r["phases_s"][k] for r in mine)
                                          for k in mine[0]["phases_s"]}
         memory_key = next(k for k in row["ours"] if k.startswith("peak"))
         row["speed_ratio"] = row["ours"]["episodes_per_s"] / row["trl"]["episodes_per_s"]
+        row["speed_ratio_per_pair"] = [ours / trl for ours, trl in zip(eps["ours"], eps["trl"], strict=True)]
+        row["speed_ratio_median_of_pairs"] = statistics.median(row["speed_ratio_per_pair"])
         row["memory_ratio"] = row["ours"][memory_key] / row["trl"][memory_key]
         out[algo] = row
     return out
@@ -141,15 +146,17 @@ def markdown(summary: dict, args: argparse.Namespace, spec: dict) -> str:
     lines = [f"### {datetime.date.today()} · {spec['shapes']} · {args.device} · {args.precision} · "
              f"{args.pairs} pairs", "", f"Machine: {machine()}. Command: `python bench/{Path(__file__).name} "
              + " ".join(sys.argv[1:]) + "`", "",
-             "| algo | ours ep/s | TRL ep/s | speed ×TRL | ours mem | TRL mem | mem ×TRL | our phases (s/update) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| algo | ours ep/s | TRL ep/s | speed ×TRL | ×TRL per pair (median) | ours mem | TRL mem | mem ×TRL "
+             "| our phases (s/update) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for algo, row in summary.items():
         key = next(k for k in row["ours"] if k.startswith("peak"))
         unit = "GiB" if key == "peak_gpu_gib" else "MiB"
         phases = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in row["ours"]["phases_s"].items())
         lines.append(f"| {algo} | {row['ours']['episodes_per_s']:.2f} | {row['trl']['episodes_per_s']:.2f} | "
-                     f"{row['speed_ratio']:.2f} | {row['ours'][key]:.1f} {unit} | {row['trl'][key]:.1f} {unit} | "
-                     f"{row['memory_ratio']:.2f} | {phases} |")
+                     f"{row['speed_ratio']:.2f} | {', '.join(f'{r:.2f}' for r in row['speed_ratio_per_pair'])} "
+                     f"({row['speed_ratio_median_of_pairs']:.2f}) | {row['ours'][key]:.1f} {unit} | "
+                     f"{row['trl'][key]:.1f} {unit} | {row['memory_ratio']:.2f} | {phases} |")
     return "\n".join(lines)
 
 

@@ -31,3 +31,32 @@ def test_update_flops_add_up_the_phases(algo):
                 + trainer.cfg.num_epochs * 3 * (lm_forward + value_forward))
     assert update_flops(trainer, P) == expected
     assert peak_matmul_flops(n=128) > 1e8  # a real measurement, not a constant
+
+
+def test_side_by_side_summary_pairs_each_run_with_its_neighbour():
+    """bench/vs_trl.py: medians per side, their ratio, and each pair's own ratio (a drifting machine moves both
+    runs of a pair together, so the pairs' ratios are steadier than the ratio of medians)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("vs_trl", Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py")
+    vs_trl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vs_trl)
+    summarize = vs_trl.summarize
+
+    def run(side, episodes_per_s, rss):
+        seconds = 64 / episodes_per_s
+        ends = [10.0 + seconds * i for i in range(4)]  # the warm-up ends at 10 s, then 3 updates
+        return {"algo": "ppo", "side": side, "episodes_per_update": 64, "update_ends": ends, "peak_rss_mib": rss,
+                **({"phases_s": {"update_s": seconds}} if side == "ours" else {})}
+
+    # the machine drifts: each pair's two runs move together; pair 1 runs TRL first
+    runs = [run("ours", 60, 600), run("trl", 40, 700), run("trl", 25, 700), run("ours", 30, 610),
+            run("ours", 15, 620), run("trl", 5, 700)]
+    row = summarize(runs, warmup=1)["ppo"]
+    assert row["ours"]["runs"] == [60.0, 30.0, 15.0] and row["trl"]["runs"] == [40.0, 25.0, 5.0]
+    assert row["speed_ratio"] == pytest.approx(30 / 25)  # the ratio of the medians
+    assert row["speed_ratio_per_pair"] == pytest.approx([1.5, 1.2, 3.0])
+    assert row["speed_ratio_median_of_pairs"] == pytest.approx(1.5)
+    assert row["memory_ratio"] == pytest.approx(610 / 700)
+    assert row["ours"]["phases_s"] == {"update_s": pytest.approx(64 / 30)}
