@@ -8,9 +8,14 @@ load it: same weights, prompts, response length, batch split (16 x 4), epochs, t
 KL coefficient and precision. Each side runs in its own process under `accelerate launch` with the same
 flags; TRL runs in its own environment (created on first use under bench/.trl-venv with trl==1.9.0 and this
 environment's torch, transformers and accelerate versions, or `--trl-python` / `--trl-pythonpath` for a
-machine without internet). Pairs alternate which side goes first so machine drift cancels; the report is the
-median over pairs of steady-state episodes/s (the first update, kernel warm-up, is left out), peak memory
-(RSS on CPU, peak CUDA allocation on GPU) and our per-phase seconds. Prints JSON and a Markdown table.
+machine without internet). By default our side runs in that same environment too (`--ours-env shared`, the
+repository on PYTHONPATH: `rlhf_core` needs nothing TRL's environment lacks), so both sides import the same
+packages: transformers imports some optional packages whenever they are installed (scipy.optimize, +36 MiB of
+RSS, comes with MLflow into the project's environment), which would otherwise be counted against one side.
+`--ours-env project` runs ours in this interpreter's environment instead. Pairs alternate which side goes
+first so machine drift cancels; the report is the median over pairs of steady-state episodes/s (the first
+update, kernel warm-up, is left out), peak memory (RSS on CPU, peak CUDA allocation on GPU) and our per-phase
+seconds. Prints JSON and a Markdown table.
 """
 
 from __future__ import annotations
@@ -82,6 +87,18 @@ def trl_python(venv: Path) -> str:
     return str(python)
 
 
+def side_commands(ours_env: str, peer: str, trl_pythonpath: str | None,
+                  ours_pythonpath: str | None) -> dict[str, tuple[str, Path, str | None]]:
+    """(python, script, PYTHONPATH) of each side. `shared`: ours runs on TRL's interpreter and packages (TRL's
+    PYTHONPATH too, where its wheels are unpacked), the repository first; `project`: on this interpreter."""
+    if ours_env == "shared":
+        python, extra = peer, ours_pythonpath or trl_pythonpath
+    else:
+        python, extra = sys.executable, ours_pythonpath or os.environ.get("PYTHONPATH")
+    return {"ours": (python, HERE / "vs_trl_ours.py", os.pathsep.join(filter(None, [str(ROOT), extra]))),
+            "trl": (peer, HERE / "vs_trl_peer.py", trl_pythonpath)}
+
+
 def launch(python: str, script: Path, workload: Path, algo: str, device: str, precision: str,
            pythonpath: str | None) -> dict:
     """One side, one algorithm, launched as its users launch it; returns its RESULT line."""
@@ -144,8 +161,8 @@ def machine() -> str:
 
 def markdown(summary: dict, args: argparse.Namespace, spec: dict) -> str:
     lines = [f"### {datetime.date.today()} · {spec['shapes']} · {args.device} · {args.precision} · "
-             f"{args.pairs} pairs", "", f"Machine: {machine()}. Command: `python bench/{Path(__file__).name} "
-             + " ".join(sys.argv[1:]) + "`", "",
+             f"{args.pairs} pairs", "", f"Machine: {machine()}. Our side in the {args.ours_env} environment. "
+             f"Command: `python bench/{Path(__file__).name} " + " ".join(sys.argv[1:]) + "`", "",
              "| algo | ours ep/s | TRL ep/s | speed ×TRL | ×TRL per pair (median) | ours mem | TRL mem | mem ×TRL "
              "| our phases (s/update) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -173,6 +190,8 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--trl-python", default=None, help="python of an environment with trl==1.9.0")
     parser.add_argument("--trl-pythonpath", default=None, help="PYTHONPATH for TRL's side (wheels unpacked)")
+    parser.add_argument("--ours-env", choices=["shared", "project"], default="shared",
+                        help="shared: our side in TRL's environment (same packages); project: in this one")
     parser.add_argument("--ours-pythonpath", default=None, help="PYTHONPATH for our side (default: inherited)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
     args = parser.parse_args()
@@ -180,13 +199,11 @@ def main() -> None:
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "no")
     spec = workload_spec(shapes, args.updates, args.gradient_checkpointing)
     peer = args.trl_python or trl_python(HERE / ".trl-venv")
-    ours_path = os.pathsep.join(filter(None, [str(ROOT), args.ours_pythonpath or os.environ.get("PYTHONPATH")]))
     runs = []
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         workload = Path(tmp)
         write_workload(spec, workload)
-        sides = {"ours": (sys.executable, HERE / "vs_trl_ours.py", ours_path),
-                 "trl": (peer, HERE / "vs_trl_peer.py", args.trl_pythonpath)}
+        sides = side_commands(args.ours_env, peer, args.trl_pythonpath, args.ours_pythonpath)
         for pair in range(args.pairs):
             order = ["ours", "trl"] if pair % 2 == 0 else ["trl", "ours"]
             for algo in args.algos:

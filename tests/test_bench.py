@@ -1,6 +1,11 @@
-"""The benchmark's FLOP count: the dense matmul weights a forward multiplies, and how an update adds them up."""
+"""The benchmark: its FLOP count (the dense matmul weights a forward multiplies, and how an update adds them up)
+and the side-by-side harness against TRL (bench/vs_trl.py): which environment each side runs in, the summary."""
 
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,15 +38,34 @@ def test_update_flops_add_up_the_phases(algo):
     assert peak_matmul_flops(n=128) > 1e8  # a real measurement, not a constant
 
 
-def test_side_by_side_summary_pairs_each_run_with_its_neighbour():
-    """bench/vs_trl.py: medians per side, their ratio, and each pair's own ratio (a drifting machine moves both
-    runs of a pair together, so the pairs' ratios are steadier than the ratio of medians)."""
+@pytest.fixture(scope="module")
+def vs_trl():
+    """bench/vs_trl.py, the side-by-side harness (a script, not a package module)."""
     import importlib.util
-    from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("vs_trl", Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py")
-    vs_trl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vs_trl)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_side_by_side_runs_ours_in_the_peers_environment_unless_told(vs_trl, monkeypatch):
+    """Both sides on TRL's interpreter and packages by default (transformers imports optional packages when
+    they are installed: the environments, not the trainers, would differ in RSS); the repository first on ours."""
+    monkeypatch.setenv("PYTHONPATH", "/inherited")
+    root = str(Path(__file__).resolve().parents[1])
+    shared = vs_trl.side_commands("shared", "/trl/bin/python", "/trl/wheels", None)
+    assert shared["ours"][0] == shared["trl"][0] == "/trl/bin/python"
+    assert shared["ours"][1].name == "vs_trl_ours.py" and shared["trl"][1].name == "vs_trl_peer.py"
+    assert shared["ours"][2].split(os.pathsep) == [root, "/trl/wheels"] and shared["trl"][2] == "/trl/wheels"
+    project = vs_trl.side_commands("project", "/trl/bin/python", None, None)
+    assert project["ours"][0] == sys.executable and project["trl"][0] == "/trl/bin/python"
+    assert project["ours"][2].split(os.pathsep) == [root, "/inherited"] and project["trl"][2] is None
+
+
+def test_side_by_side_summary_pairs_each_run_with_its_neighbour(vs_trl):
+    """bench/vs_trl.py: medians per side, their ratio, and each pair's own ratio (a drifting machine moves both
+    runs of a pair together, so the pairs' ratios are steadier than the ratio of medians)."""
     summarize = vs_trl.summarize
 
     def run(side, episodes_per_s, rss):
