@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,13 +29,17 @@ def use_local_prefect(root: str | Path) -> None:
 
 
 @contextmanager
-def temporary_server_if_needed() -> Iterator[str | None]:
+def temporary_server_if_needed(meanwhile: Callable[[], object] = lambda: None) -> Iterator[str | None]:
     """With no PREFECT_API_URL, Prefect's temporary local server, started here in its own session; yields its
     API URL (None when PREFECT_API_URL names a server). Prefect starts the same server itself, in the
     terminal's process group: a Ctrl-C then killed it mid-run and the flow hung, unable to report its end.
     In its own session only `rlhf run` gets the Ctrl-C; it stops the stage, reports the run cancelled, and
-    stops this server last."""
+    stops this server last.
+
+    `meanwhile` runs while the server starts (~15 s on 2 cores, most of it the server's imports and database
+    migrations, in its own process): work the run needs anyway, e.g. its imports, then costs no extra time."""
     if os.environ.get("PREFECT_API_URL"):
+        meanwhile()
         yield None
         return
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -45,7 +49,7 @@ def temporary_server_if_needed() -> Iterator[str | None]:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
     url, server = None, None
     try:
-        url, server = _start_server()
+        url, server = _start_server(meanwhile)
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
     finally:
@@ -79,9 +83,9 @@ def _stop(server: subprocess.Popen) -> None:
         server.wait()
 
 
-def _start_server() -> tuple[str, subprocess.Popen]:
+def _start_server(meanwhile: Callable[[], object] = lambda: None) -> tuple[str, subprocess.Popen]:
     """The uvicorn command of Prefect's temporary server (prefect/server/api/server.py, SubprocessASGIServer
-    in Prefect 3.8), in a new session; returns its API URL once it answers."""
+    in Prefect 3.8), in a new session; runs `meanwhile`, then returns its API URL once it answers."""
     import httpx
     import prefect
 
@@ -96,6 +100,7 @@ def _start_server() -> tuple[str, subprocess.Popen]:
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + float(os.environ.get(STARTUP_TIMEOUT_ENV, "120"))
     try:
+        meanwhile()
         while time.monotonic() < deadline and server.poll() is None:
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
@@ -103,7 +108,7 @@ def _start_server() -> tuple[str, subprocess.Popen]:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-    except BaseException:  # a Ctrl-C while it starts: no server left behind
+    except BaseException:  # a Ctrl-C (or `meanwhile` failing) while it starts: no server left behind
         _stop(server)
         raise
     _stop(server)

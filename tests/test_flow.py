@@ -542,3 +542,27 @@ def test_params_diff_and_reset(failing_repo, monkeypatch, capsys):
     reset = runner.invoke(app, ["params", "reset"])
     assert reset.exit_code == 0 and "dropped:" in reset.output and "base.seed: 0 -> 5" in reset.output
     assert path.read_text() == committed
+
+
+def test_the_temporary_server_starts_beside_the_runs_own_preparation(tmp_path, monkeypatch):
+    """`rlhf run` imports its flow and opens the MLflow store while Prefect's temporary server starts
+    (`meanwhile`); with a server named by PREFECT_API_URL it just does it. A failure (or a Ctrl-C) during that
+    preparation stops the half-started server: no process is left."""
+    from flows.prefect_env import temporary_server_if_needed
+
+    calls = []
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    with temporary_server_if_needed(meanwhile=lambda: calls.append("ready")) as url:
+        assert url is None and calls == ["ready"]
+
+    monkeypatch.delenv("PREFECT_API_URL")
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
+    monkeypatch.chdir(tmp_path)
+
+    def failing():
+        assert [p for p in processes_in(tmp_path) if "uvicorn" in p], "the server starts before `meanwhile` runs"
+        raise RuntimeError("preparation failed")
+
+    with pytest.raises(RuntimeError, match="preparation failed"), temporary_server_if_needed(meanwhile=failing):
+        pytest.fail("no run without its preparation")
+    assert not [p for p in processes_in(tmp_path) if "uvicorn" in p], "server left behind"
