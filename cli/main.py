@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -114,8 +115,6 @@ def run(profile: Profile = None, overrides: Overrides = None,
     Overrides are in params.yaml for this run only: the file is restored when the run ends. With no
     PREFECT_API_URL the flow runs on a temporary local Prefect server whose state is kept in .prefect/.
     """
-    from pathlib import Path
-
     from flows.overrides import check_run_inputs
     from flows.prefect_env import use_local_prefect
     from tasks.common.params import ParamsError, load_params
@@ -153,7 +152,7 @@ def run(profile: Profile = None, overrides: Overrides = None,
     print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
 
 
-def _ready_the_run(root) -> None:
+def _ready_the_run(root: Path) -> None:
     """What `rlhf run` does first anyway, done while the temporary Prefect server starts in its own process
     (~15 s): import the flow (~2.5 s) and open the MLflow store (~3.5 s of imports; in a fresh clone its
     migrations too). A store that cannot be opened is the flow's to report, as it does without this."""
@@ -202,7 +201,6 @@ def serve() -> None:
     triggered from the UI then execute here, one at a time, in this workspace.
     """
     import os
-    from pathlib import Path
 
     if not os.environ.get("PREFECT_API_URL"):
         typer.echo("error: PREFECT_API_URL is not set. Start a server with `prefect server start` and "
@@ -274,8 +272,6 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
 
     Exit status: 0 passed, 1 a check failed, 2 the model or a file could not be read.
     """
-    from pathlib import Path
-
     from rlhf_core.config import InspectionConfig, RuntimeConfig
     from rlhf_core.runtime import Runtime
     from tasks.stages.inspect import inspect_model, summary_markdown, write_report
