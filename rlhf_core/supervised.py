@@ -22,6 +22,7 @@ from transformers import get_scheduler
 
 from rlhf_core.config import SupervisedConfig
 from rlhf_core.metrics import MetricAccumulator
+from rlhf_core.runtime import adamw
 
 # Mini-batches whose rows are sorted by length together: enough to group lengths, few enough to stay random.
 LENGTH_WINDOW = 64
@@ -123,8 +124,7 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Se
                   for epoch in range(cfg.epochs)]
     steps_per_epoch = len(batch_plan[0]) // cfg.gradient_accumulation_steps
     total_steps = steps_per_epoch * cfg.epochs
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = adamw(model, acc, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_training_steps=total_steps,
                               num_warmup_steps=round(cfg.warmup_ratio * total_steps))
     module = model  # what DDP / DeepSpeed wrap; accelerate's unwrap_model would import deepspeed (+115 MB RSS)

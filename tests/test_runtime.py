@@ -9,7 +9,7 @@ from test_trainer import tiny_config
 from conftest import target_fraction
 from rlhf_core.config import RuntimeConfig
 from rlhf_core.rl_trainer import RLTrainer
-from rlhf_core.runtime import Runtime, RuntimeSettingError, check, check_fp16_loss_scaling
+from rlhf_core.runtime import Runtime, RuntimeSettingError, adamw, check, check_fp16_loss_scaling
 from rlhf_core.scoring import FunctionScorer
 
 
@@ -80,3 +80,28 @@ def test_fp16_under_zero3_without_loss_scaling_is_refused(tmp_path):
             check_fp16_loss_scaling(cfg)
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": False}}))
     check_fp16_loss_scaling(RuntimeConfig(device="auto", accelerate_config=str(launch)))  # ZeRO-2: not this rule
+
+
+def test_the_trainers_adamw_is_fused_and_steps_as_torchs_per_tensor_one(make_policy):
+    """One fused kernel for the step (the SFT, reward-model and RL trainers all make theirs here), frozen
+    parameters left out, and the same update as the default per-tensor AdamW to rounding."""
+    runtime = Runtime(RuntimeConfig(device="cpu"))
+    fused_model, plain_model = make_policy(0), make_policy(0)
+    for model in (fused_model, plain_model):
+        model.get_input_embeddings().requires_grad_(False)
+    fused = adamw(fused_model, runtime.accelerator, lr=1e-2, weight_decay=0.1, eps=1e-5)
+    assert fused.defaults["fused"] is True
+    trainable = [p for p in fused_model.parameters() if p.requires_grad]
+    assert [id(p) for p in fused.param_groups[0]["params"]] == [id(p) for p in trainable]
+    plain = torch.optim.AdamW([p for p in plain_model.parameters() if p.requires_grad], lr=1e-2,
+                              weight_decay=0.1, eps=1e-5, foreach=False)
+    input_ids = torch.randint(0, fused_model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for model, optimizer in ((fused_model, fused), (plain_model, plain)):
+            model(input_ids=input_ids, labels=input_ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, a), b in zip(fused_model.named_parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(fused_model.gpt_neox.layers[0].mlp.dense_h_to_4h.weight,
+                           make_policy(0).gpt_neox.layers[0].mlp.dense_h_to_4h.weight), "the weights moved"
