@@ -18,6 +18,7 @@ from test_pipeline import TINY, invoke
 from rlhf_core.config import RuntimeConfig
 from tasks.common.launcher import LAUNCHED_ENV, launch_command
 from tasks.common.mlflow_store import get_client
+from tasks.common.runner import leave_process_group
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 
@@ -161,3 +162,21 @@ def test_a_two_process_run_resumes_from_its_checkpoint(workspace):
     assert [json.loads(line)["update"] for line in history] == [1, 2], "update 2 redone, logged once"
     assert again["objective/scores"] == pytest.approx(first["objective/scores"], abs=1e-6), \
         "the resumed update 2 is the same update 2 (sampler, RNG and optimizer state restored on every rank)"
+
+
+def test_a_launched_rank_leaves_its_process_group_and_a_callers_group_stays(monkeypatch, tmp_path):
+    """A launched rank tears its (gloo) group down before exit; outside a launch the group is the caller's."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        monkeypatch.delenv(LAUNCHED_ENV, raising=False)
+        leave_process_group()
+        assert dist.is_initialized(), "not launched: the caller's group is left alone"
+        monkeypatch.setenv(LAUNCHED_ENV, "1")
+        leave_process_group()
+        assert not dist.is_initialized()
+        leave_process_group()  # no group: nothing to do
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

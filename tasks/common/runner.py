@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from tasks.common.execution import write_execution
-from tasks.common.launcher import is_main_process
+from tasks.common.launcher import LAUNCHED_ENV, is_main_process
 from tasks.common.params import load_params
 from tasks.common.paths import Paths
 from tasks.common.stage_tracking import track_stage
@@ -44,5 +46,19 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
         return metrics
 
     if not is_main_process():  # a launched stage's other ranks: rank 0 alone tracks (and writes)
-        return work()
-    return track_stage(name, root, params, work, overrides)  # an MLflow run per stage, unless RLHF_TRACKING=off
+        metrics = work()
+    else:
+        metrics = track_stage(name, root, params, work, overrides)  # an MLflow run per stage, unless RLHF_TRACKING=off
+    leave_process_group()
+    return metrics
+
+
+def leave_process_group() -> None:
+    """A launched rank's last act after a finished stage: tear its process group down while Python still runs.
+    Left to the interpreter's exit, the threads of the gloo group (and DeepSpeed's on top of it) could outlive
+    it and abort a rank that had finished ("terminate called without an active exception": one run in three of
+    the 2-process ZeRO-3 test). A no-op outside a launch, where a caller may own the group."""
+    dist = sys.modules.get("torch.distributed")  # a stage that never imported torch has no group
+    if os.environ.get(LAUNCHED_ENV) == "1" and dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank leaves while another may still be taking in a last collective's data
+        dist.destroy_process_group()
