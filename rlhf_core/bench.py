@@ -88,7 +88,7 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
 
     generation = lm_forward(B // k * P + B * R if k > 1 else full)  # prefill, then one token at a time
     policy_tokens = shared if trainer.share_prompts else full
-    rollout_policy = 0 if trainer._generation_logits_exact else lm_forward(policy_tokens)
+    rollout_policy = 0 if trainer._sampling_logprobs_exact else lm_forward(policy_tokens)
     value_forward = 0 if value is None else 2 * matmul_params(value) * full
     reward = getattr(trainer.scorer, "model", None)
     reward_forward = 0 if reward is None else 2 * matmul_params(reward) * shared

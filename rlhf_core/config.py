@@ -97,11 +97,10 @@ class RLConfig(_Frozen):
     repetition_penalty: float = Field(1.0, gt=0.0)
     """Divide the logits of tokens already in the sequence by this (CTRL); 1.0 disables."""
     sampling_seed: Literal["process", "episode"] = "process"
-    """Where sampling randomness comes from. `process`: each process's seeded stream (the generator's own
-    sampler; the default). `episode`: noise keyed by (seed, update, prompt, sample) and drawn with the Gumbel-max
-    trick, so an episode's completion is the same whatever process or rollout batch generates it: 1 and N
-    processes then train the same policy (up to float rounding), at the cost of one hash per vocabulary entry
-    and token."""
+    """Where sampling randomness comes from. `process`: each process's seeded random stream (the
+    default). `episode`: each token's uniform is keyed by (seed, update, prompt, sample), so an
+    episode's completion is the same whatever process or rollout batch generates it: 1 and N processes then train
+    the same policy (up to float rounding), at the cost of one hash per row and token."""
     stop_token: Literal["eos"] | None = "eos"
     """Truncate completions after this token ('eos') or never (None)."""
     missing_eos_penalty: float | None = Field(1.0, ge=0.0)

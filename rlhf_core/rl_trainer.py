@@ -238,19 +238,19 @@ class RLTrainer:
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:
         model, cfg = self.unwrapped, self.cfg
-        responses, logits = sample_responses(
+        responses, sampled_logprobs = sample_responses(
             model.policy, queries, query_mask, response_length=cfg.response_length, temperature=cfg.temperature,
             pad_token_id=self.pad_token_id, stop_token_id=self.stop_token_id, top_k=cfg.top_k, top_p=cfg.top_p,
             min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, noise_keys=noise_keys,
-            keep_logits=self._generation_logits_exact)  # (b, R), (b, R, V) or None
+            keep_logprobs=self._sampling_logprobs_exact)  # (b, R), (b, R) or None
         if self.stop_token_id is not None:
             responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
         response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
         parts = (queries, query_mask, responses, response_mask)
-        if logits is None:
+        if sampled_logprobs is None:
             logprobs = self._logprobs(model.policy, parts, share_prompts=self.share_prompts)
-        else:  # the sampling step's own logits: the forward the training step would repeat, saved
-            logprobs = ops.selective_log_softmax(logits.float() / cfg.temperature, responses) * response_mask
+        else:  # read at the sampling steps: the forward the training step would repeat, saved
+            logprobs = sampled_logprobs * response_mask
         if self.ref_policy is None:
             with model.policy.disable_adapter():
                 ref_logprobs = self._logprobs(model.policy, parts, share_prompts=True)
@@ -261,10 +261,10 @@ class RLTrainer:
                        logprobs=logprobs, ref_logprobs=ref_logprobs, contains_stop=contains_stop, values=values)
 
     @property
-    def _generation_logits_exact(self) -> bool:
+    def _sampling_logprobs_exact(self) -> bool:
         """Whether the logits of the sampling steps are the training forward's to rounding (~1e-6), so that the
-        rollout's log-probs can be read from them instead of a second forward over the whole batch (as TRL's PPO
-        does): only in plain fp32. Under bf16/fp16 (autocast or DeepSpeed) the incremental decode rounds
+        rollout's log-probs can be read at the sampling steps instead of a second forward over the whole batch (as
+        TRL's PPO does): only in plain fp32. Under bf16/fp16 (autocast or DeepSpeed) the incremental decode rounds
         differently from the full forward, and the first ratio of an update must be exactly 1 there too."""
         return (self.accelerator.mixed_precision == "no" and self.accelerator.state.deepspeed_plugin is None
                 and all(p.dtype == torch.float32 for p in self.unwrapped.policy.parameters()))

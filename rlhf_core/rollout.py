@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import (
     GenerationConfig,
@@ -220,27 +221,26 @@ def token_values(value_model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, 
 def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int,
                      temperature: float, pad_token_id: int, stop_token_id: int | None, top_k: int = 0,
                      top_p: float = 1.0, min_p: float | None = None, repetition_penalty: float = 1.0,
-                     noise_keys: Tensor | None = None, keep_logits: bool = False) -> tuple[Tensor, Tensor | None]:
+                     noise_keys: Tensor | None = None, keep_logprobs: bool = False) -> tuple[Tensor, Tensor | None]:
     """Sample (B, R) responses with the KV cache; rows that stopped early are padded to R.
 
     By default pure sampling from softmax(logits / T): top_k 0 and top_p 1 disable truncation, so the
     log-probs recomputed in training describe exactly the distribution that was sampled. The truncations
     (top_k, top_p, min_p, repetition_penalty) are the user's choice, with the off-policy ratio they bring.
-    Sampling is the Gumbel-max trick on the warped scores (`GumbelNoise`): the same distribution as
-    `generate`'s multinomial draw, faster. `noise_keys` (B,): each row draws its own keyed noise
-    (`ops.keyed_gumbel`) instead of the global random stream.
+    The draw is `TokenSampler`'s (inverse CDF, one uniform per row and token): the same distribution as
+    `generate`'s multinomial draw, faster. `noise_keys` (B,): each row draws its own keyed uniforms
+    (`ops.keyed_uniform`) instead of the global random stream.
 
-    Returns the responses and, with `keep_logits`, the raw (unwarped) logits that predicted each of them:
-    (B, R, V) in the model's output dtype, zero after the step where every row had stopped.
+    Returns the responses and, with `keep_logprobs`, the log-prob of each sampled token under the unwarped
+    softmax(logits / T) of the sampling step: (B, R) float32, not masked (0 after the step where every row had
+    stopped). The (B, R, V) logits are never kept.
     """
+    sampler = TokenSampler(noise_keys, queries.shape[1], temperature if keep_logprobs else None)
     processors = LogitsProcessorList([
-        *_warpers(temperature, top_k, top_p, min_p, repetition_penalty),
-        GumbelNoise(noise_keys, queries.shape[1]),
-    ])
-    # greedy over scores + noise: the warpers and the noise above are the whole sampler
+        sampler.observer, *_warpers(temperature, top_k, top_p, min_p, repetition_penalty), sampler])
+    # greedy over the sampler's scores, which single out its draw: the processors above are the whole sampler
     config = GenerationConfig(max_new_tokens=response_length, do_sample=False, pad_token_id=pad_token_id,
-                              eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True,
-                              output_logits=keep_logits)
+                              eos_token_id=generate_eos(stop_token_id), use_cache=True, return_dict_in_generate=True)
     out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
                           logits_processor=processors,
                           **{CACHE: _sampling_cache(policy, queries, query_mask, capacity=queries.shape[1] + response_length)})
@@ -248,12 +248,55 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
     missing = response_length - responses.shape[1]  # every row stopped before R
     if missing:
         responses = torch.cat([responses, responses.new_full((responses.shape[0], missing), pad_token_id)], dim=1)
-    if not keep_logits:
+    if not keep_logprobs:
         return responses, None
-    logits = torch.stack(out.logits, dim=1)  # (B, <=R, V)
-    if missing:
-        logits = torch.cat([logits, logits.new_zeros(logits.shape[0], missing, logits.shape[2])], dim=1)
-    return responses, logits
+    logprobs = torch.stack(sampler.logprobs, dim=1)  # (B, <=R)
+    return responses, F.pad(logprobs, (0, missing)) if missing else logprobs
+
+
+class TokenSampler(LogitsProcessor):
+    """The last of `generate`'s logits processors: draws each row's next token from softmax(warped scores)
+    (`ops.sample_categorical`) and returns scores on which greedy decoding picks exactly that token.
+
+    keys (B,): each row's uniform at each step is keyed (`ops.keyed_uniform`), so its sample depends only on the
+    key, not on its batch or process; None: the global random stream. With a `temperature`, the log-prob of each
+    draw under the unwarped softmax(logits / temperature) is kept (`logprobs`, one (B,) per step): `observer`, the
+    first processor, sees the logits before any warper changes them.
+    """
+
+    def __init__(self, keys: Tensor | None, prompt_length: int, temperature: float | None = None):
+        self.keys, self.prompt_length = keys, prompt_length
+        self.observer = _UnwarpedLogits(temperature)
+        self.logprobs: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.keys is None:
+            uniform = torch.rand(scores.shape[0], dtype=torch.float64, device=scores.device)
+        else:
+            uniform = ops.keyed_uniform(self.keys.to(scores.device), input_ids.shape[1] - self.prompt_length)
+        tokens = ops.sample_categorical(scores, uniform)  # (B,)
+        if self.observer.scaled is not None:
+            self.logprobs.append(self.observer.scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
+class _UnwarpedLogits(LogitsProcessor):
+    """The first processor of `TokenSampler`'s list: keeps the step's logits / temperature (None: nothing)."""
+
+    def __init__(self, temperature: float | None):
+        self.temperature = temperature
+        self.scaled: Tensor | None = None  # (B, V)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.temperature is not None:
+            self.scaled = scores.float() / self.temperature  # a new tensor: no later warper can change it in place
+        return scores
+
+
+def generate_eos(stop_token_id: int | None) -> int | list[int]:
+    """`generate`'s eos_token_id for a stop token. No stop token is [], not None: None falls back to the model's
+    own generation config, which often names an EOS, and generation would stop and pad there."""
+    return [] if stop_token_id is None else stop_token_id
 
 
 def _sampling_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, capacity: int) -> GrowingCache:
@@ -282,21 +325,6 @@ def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,
     if min_p is not None:
         out.append(MinPLogitsWarper(min_p))
     return out
-
-
-class GumbelNoise(LogitsProcessor):
-    """Adds standard Gumbel noise to the (warped) scores, so that greedy decoding draws a sample of
-    softmax(scores). With `keys` (B,), each row's noise at each step is keyed (`ops.keyed_gumbel`): the sample
-    then depends only on the row's key, not on its batch or process; without, it comes from the global stream."""
-
-    def __init__(self, keys: Tensor | None, prompt_length: int):
-        self.keys, self.prompt_length = keys, prompt_length
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if self.keys is None:
-            return scores.float() + ops.gumbel_noise(scores.shape, device=scores.device)
-        step = input_ids.shape[1] - self.prompt_length
-        return scores.float() + ops.keyed_gumbel(self.keys.to(scores.device), step, scores.shape[-1])
 
 
 def stop_mask(responses: Tensor, stop_token_id: int | None) -> tuple[Tensor, Tensor]:

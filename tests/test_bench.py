@@ -26,7 +26,7 @@ def test_update_flops_add_up_the_phases(algo):
     head = policy.get_output_embeddings().weight.numel()
     body = matmul_params(policy) - head
     P, R, B = 48, trainer.cfg.response_length, trainer.plan.batch_size
-    assert trainer._generation_logits_exact, "fp32: the policy's rollout log-probs cost no forward"
+    assert trainer._sampling_logprobs_exact, "fp32: the policy's rollout log-probs cost no forward"
     tokens = B * (P + R) if algo == "ppo" else B // 2 * P + B * R  # RLOO's 2 samples read their prompt once
     lm_forward = 2 * (body * tokens + head * B * R)
     value_forward = 2 * matmul_params(trainer.unwrapped.value) * B * (P + R) if algo == "ppo" else 0

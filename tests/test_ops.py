@@ -534,26 +534,35 @@ def test_splitmix64_on_int64_tensors_matches_the_reference():
     assert [g & ((1 << 64) - 1) for g in got] == [_splitmix64_reference(v & ((1 << 64) - 1)) for v in values]
 
 
-def test_keyed_gumbel_noise_samples_the_softmax_and_depends_only_on_the_key():
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+def test_sample_categorical_draws_the_softmax_and_never_a_token_of_probability_zero():
+    scores = torch.tensor([2.0, 1.0, float("-inf"), 0.0, -1.0, -3.0, float("-inf")])  # -inf: masked by a warper
+    n = 40_000
+    torch.manual_seed(0)
+    draws = ops.sample_categorical(scores.expand(n, -1), torch.rand(n, dtype=torch.float64))
+    frequencies = torch.bincount(draws, minlength=7).float() / n
+    torch.testing.assert_close(frequencies, scores.softmax(-1), atol=0.01, rtol=0)
+    # the extreme uniforms land on the first and the last token that can be drawn, never on a masked one
+    edges = torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert ops.sample_categorical(scores.expand(2, -1), edges).tolist() == [0, 5]
+    tail_masked = torch.tensor([[0.0, 1.0, float("-inf")]])
+    assert ops.sample_categorical(tail_masked, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)).tolist() == [1]
+    # a token of tiny probability keeps its mass in the fp64 running sum
+    tiny = torch.tensor([[0.0, -20.0]])  # p(1) ~ 2e-9: drawn for uniforms past 1 - p(1)
+    p1 = tiny.softmax(-1)[0, 1].double()
+    assert ops.sample_categorical(tiny.expand(2, -1), torch.tensor([1 - 2 * p1, 1 - p1 / 2])).tolist() == [0, 1]
+
+
+def test_keyed_uniforms_sample_the_softmax_and_depend_only_on_the_key():
+    scores = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
     keys = ops.episode_keys(0, 3, torch.arange(20_000), torch.zeros(20_000, dtype=torch.long))
-    draws = (logits + ops.keyed_gumbel(keys, step=5, vocab_size=5)).argmax(-1)
+    uniform = ops.keyed_uniform(keys, step=5)
+    assert uniform.dtype == torch.float64 and ((uniform >= 0) & (uniform < 1)).all()
+    draws = ops.sample_categorical(scores.expand(len(keys), -1), uniform)
     frequencies = torch.bincount(draws, minlength=5).float() / len(draws)
-    torch.testing.assert_close(frequencies, logits.softmax(-1), atol=0.01, rtol=0)
-    # a row's noise is the same in any batch, and differs by step, prompt, sample and update
+    torch.testing.assert_close(frequencies, scores.softmax(-1), atol=0.01, rtol=0)
+    # a row's uniform is the same in any batch, and differs by step, prompt, sample and update
     some = keys[[7, 3, 11]]
-    torch.testing.assert_close(ops.keyed_gumbel(some, 5, 5), ops.keyed_gumbel(keys, 5, 5)[[7, 3, 11]], rtol=0, atol=0)
-    assert not torch.equal(ops.keyed_gumbel(some, 5, 5), ops.keyed_gumbel(some, 6, 5))
+    assert torch.equal(ops.keyed_uniform(some, 5), uniform[[7, 3, 11]])
+    assert not torch.equal(ops.keyed_uniform(some, 5), ops.keyed_uniform(some, 6))
     one = lambda update, prompt, sample: ops.episode_keys(0, update, torch.tensor([prompt]), torch.tensor([sample]))  # noqa: E731
     assert len({one(0, 0, 0).item(), one(0, 0, 1).item(), one(0, 1, 0).item(), one(1, 0, 0).item()}) == 4
-
-
-def test_gumbel_noise_samples_the_softmax_from_the_global_stream():
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0, float("-inf")])  # -inf: a token a warper masked out
-    torch.manual_seed(0)
-    draws = (logits + ops.gumbel_noise((40_000, 6))).argmax(-1)
-    frequencies = torch.bincount(draws, minlength=6).float() / len(draws)
-    torch.testing.assert_close(frequencies, logits.softmax(-1), atol=0.01, rtol=0)
-    torch.manual_seed(0)
-    torch.testing.assert_close(ops.gumbel_noise((3, 6)), ops.gumbel_noise((3, 6), generator=torch.Generator().manual_seed(0)))
-    assert ops.gumbel_noise((1000, 6)).isfinite().all()

@@ -12,6 +12,7 @@ from rlhf_core import ops
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
+from rlhf_core.greedy_eval import greedy_rollout
 from rlhf_core.kv_cache import CACHE, GrowingCache
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import RLTrainer
@@ -62,6 +63,26 @@ def test_sampled_responses_are_padded_after_stop(make_policy, prompts):
     assert contains.any(), "a random 16-token policy emits EOS within 10 tokens in some rows"
 
 
+def test_without_a_stop_token_sampling_never_stops_at_the_models_own_eos(make_policy, prompts):
+    """stop_token_id None: every completion runs to R tokens, although the model's generation config names an EOS
+    and the model emits it (transformers would otherwise stop there and pad)."""
+    policy = make_policy()
+    assert policy.generation_config.eos_token_id == 1
+    eos_bias = torch.zeros(policy.config.vocab_size)
+    eos_bias[1], eos_bias[0] = 3.0, float("-inf")  # the pad id is never sampled: a 0 in a response is padding
+    policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
+    queries, query_mask = pad(prompts[:8], 0, "left")
+    responses, logprobs = sample_responses(policy, queries, query_mask, response_length=10, temperature=1.0,
+                                           pad_token_id=0, stop_token_id=None, keep_logprobs=True)
+    assert (responses[:, :-1] == 1).any(), "EOS is sampled before the last token"
+    assert (responses != 0).all(), "nothing is padded"
+    parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
+    torch.testing.assert_close(logprobs, ops.selective_log_softmax(response_logits(policy, parts, 1.0), responses),
+                               rtol=0, atol=1e-5)
+    greedy = greedy_rollout(policy, prompts[:8], response_length=10, pad_token_id=0, stop_token_id=None)
+    assert greedy.responses.shape == (8, 10) and (greedy.responses == 1).all(), "greedy: EOS after EOS, no padding"
+
+
 def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scorer_model, tokenizer, prompts):
     """Log-probs recomputed by a forward pass equal those of the distribution generate() sampled from."""
     torch.manual_seed(3)
@@ -97,7 +118,7 @@ def test_fp32_rollout_logprobs_from_the_sampling_logits_equal_a_forward(response
         policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
     trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
                         stop_token_id=1)
-    assert trainer._generation_logits_exact
+    assert trainer._sampling_logprobs_exact
     batch = trainer.rollout(range(4))
     assert batch.contains_stop.any() and (batch.response_lengths < response_length).any()
     if response_length == 40:
@@ -156,16 +177,16 @@ def test_training_forward_over_shared_prompts_has_the_full_forwards_gradients(ma
 def test_generation_prefills_each_shared_prompt_once_with_the_same_samples(make_policy, prompts):
     batch = shared_prompt_batch(prompts)
     keys = ops.episode_keys(0, 0, torch.arange(len(batch)), torch.zeros(len(batch), dtype=torch.long))
-    kwargs = dict(response_length=8, temperature=0.7, pad_token_id=0, stop_token_id=1, keep_logits=True)
+    kwargs = dict(response_length=8, temperature=0.7, pad_token_id=0, stop_token_id=1, keep_logprobs=True)
     policy = make_policy()
-    shared, shared_logits = sample_responses(policy, batch.queries, batch.query_mask, noise_keys=keys, **kwargs)
+    shared, shared_logprobs = sample_responses(policy, batch.queries, batch.query_mask, noise_keys=keys, **kwargs)
     alone = [sample_responses(policy, batch.queries[i:i + 1], batch.query_mask[i:i + 1], noise_keys=keys[i:i + 1],
                               **kwargs)
              for i in range(len(batch))]  # one row per call: nothing shared
     assert torch.equal(shared, torch.cat([responses for responses, _ in alone]))
-    lengths = stop_mask(shared, 1)[0].sum(1)  # after its stop token a row's logits are of no use
-    for i, (_, logits) in enumerate(alone):
-        torch.testing.assert_close(shared_logits[i, :lengths[i]], logits[0, :lengths[i]], rtol=0, atol=1e-5)
+    lengths = stop_mask(shared, 1)[0].sum(1)  # after its stop token a row's log-probs are of no use
+    for i, (_, logprobs) in enumerate(alone):
+        torch.testing.assert_close(shared_logprobs[i, :lengths[i]], logprobs[0, :lengths[i]], rtol=0, atol=1e-5)
 
 
 def test_growing_cache_decodes_as_the_dynamic_cache(make_policy, prompts):

@@ -34,7 +34,7 @@ def test_bf16_rollout_and_training_forwards_agree_before_the_first_step(
     value = make_scorer_model(1) if algo == "ppo" else None
     trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
                         stop_token_id=1, value_model=value, ref_policy=reference, accelerator=runtime.accelerator)
-    assert not trainer._generation_logits_exact, "bf16: the rollout recomputes the policy's log-probs"
+    assert not trainer._sampling_logprobs_exact, "bf16: the rollout recomputes the policy's log-probs"
     assert trainer.share_prompts == (algo == "rloo"), "RLOO's shared prompts, in the rollout and training alike"
     [logs] = trainer.train(max_updates=1)
     assert logs["objective/entropy"] < 0.5 * 8, "the sharp policy is nearly deterministic (else the test is weak)"
