@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from rlhf_core import ops
 from rlhf_core.batching import pad, token_ids
 from rlhf_core.kv_cache import CACHE, GrowingCache
-from rlhf_core.rollout import Rollout, generate_eos, response_logits, stop_mask
+from rlhf_core.rollout import Rollout, generate_eos, own_generation_config, response_logits, stop_mask
 from rlhf_core.scoring import GoldFn, Scorer
 
 
@@ -34,10 +34,11 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
     parts = []
     for start in range(0, len(prompt_ids), batch_size):
         queries, query_mask = (t.to(device) for t in pad(prompt_ids[start:start + batch_size], pad_token_id, "left"))
-        out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
-                              max_new_tokens=response_length, pad_token_id=pad_token_id,
-                              eos_token_id=generate_eos(stop_token_id), top_k=None, top_p=None, temperature=None,
-                              **{CACHE: GrowingCache(queries.shape[1] + response_length)})
+        with own_generation_config(policy):  # plain greedy: none of the model's own repetition penalties etc.
+            out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
+                                  max_new_tokens=response_length, pad_token_id=pad_token_id,
+                                  eos_token_id=generate_eos(stop_token_id),
+                                  **{CACHE: GrowingCache(queries.shape[1] + response_length)})
         responses = out[:, queries.shape[1]:]
         responses = torch.cat([responses, responses.new_full(
             (len(responses), response_length - responses.shape[1]), pad_token_id)], dim=1)  # (b, R)

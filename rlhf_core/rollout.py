@@ -11,7 +11,8 @@ policy sees the same positions at sampling time, when log-probs are recomputed, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -241,9 +242,10 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
     # greedy over the sampler's scores, which single out its draw: the processors above are the whole sampler
     config = GenerationConfig(max_new_tokens=response_length, do_sample=False, pad_token_id=pad_token_id,
                               eos_token_id=generate_eos(stop_token_id), use_cache=True, return_dict_in_generate=True)
-    out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
-                          logits_processor=processors,
-                          **{CACHE: _sampling_cache(policy, queries, query_mask, capacity=queries.shape[1] + response_length)})
+    with own_generation_config(policy):
+        out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
+                              logits_processor=processors, **{CACHE: _sampling_cache(
+                                  policy, queries, query_mask, capacity=queries.shape[1] + response_length)})
     responses = out.sequences[:, queries.shape[1]:]  # (B, <=R)
     missing = response_length - responses.shape[1]  # every row stopped before R
     if missing:
@@ -291,6 +293,21 @@ class _UnwarpedLogits(LogitsProcessor):
         if self.temperature is not None:
             self.scaled = scores.float() / self.temperature  # a new tensor: no later warper can change it in place
         return scores
+
+
+@contextmanager
+def own_generation_config(model: nn.Module) -> Iterator[None]:
+    """`generate` fills every option its call leaves unset from the model's own generation config, and a hub
+    model's generation_config.json often sets some (repetition_penalty, no_repeat_ngram_size, top_k,
+    suppress_tokens...): sampling would then add processors the loss knows nothing of, off-policy without a word.
+    Inside this block the model (a PEFT model's base) has a blank one; the saved model keeps its own."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = target.generation_config
+    target.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        target.generation_config = saved
 
 
 def generate_eos(stop_token_id: int | None) -> int | list[int]:

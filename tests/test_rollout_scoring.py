@@ -83,6 +83,28 @@ def test_without_a_stop_token_sampling_never_stops_at_the_models_own_eos(make_po
     assert greedy.responses.shape == (8, 10) and (greedy.responses == 1).all(), "greedy: EOS after EOS, no padding"
 
 
+def test_sampling_and_greedy_decoding_ignore_the_models_own_generation_config(make_policy, prompts):
+    """A hub model's generation_config.json may set repetition penalties, n-gram blocking or sampling options:
+    generate would add them to any call that leaves them unset. Sampling must draw from softmax(logits / T) alone
+    (the log-probs kept at the sampling steps then equal a forward's), and greedy evaluation must be plain argmax."""
+    policy = make_policy()
+    policy.generation_config.update(repetition_penalty=3.0, no_repeat_ngram_size=1, do_sample=True, top_k=2,
+                                    temperature=0.1, suppress_tokens=[1])
+    eos_bias = torch.zeros(policy.config.vocab_size)
+    eos_bias[1] = 4.0  # EOS after EOS: what the model's n-gram blocking and suppress_tokens would forbid
+    policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
+    queries, query_mask = pad(prompts[:8], 0, "left")
+    responses, logprobs = sample_responses(policy, queries, query_mask, response_length=10, temperature=1.0,
+                                           pad_token_id=0, stop_token_id=None, keep_logprobs=True)
+    assert ((responses[:, 1:] == 1) & (responses[:, :-1] == 1)).any(), "a token repeats: no n-gram blocking"
+    parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
+    torch.testing.assert_close(logprobs, ops.selective_log_softmax(response_logits(policy, parts, 1.0), responses),
+                               rtol=0, atol=1e-5)
+    greedy = greedy_rollout(policy, prompts[:8], response_length=10, pad_token_id=0, stop_token_id=None)
+    assert (greedy.responses == 1).all(), "plain argmax: EOS at every step"
+    assert policy.generation_config.repetition_penalty == 3.0, "the model keeps its own generation config"
+
+
 def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scorer_model, tokenizer, prompts):
     """Log-probs recomputed by a forward pass equal those of the distribution generate() sampled from."""
     torch.manual_seed(3)
