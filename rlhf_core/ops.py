@@ -541,11 +541,14 @@ def sample_categorical(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Ten
         uniform: (B,) floats in [0, 1).
 
     Returns:
-        (B,) int64 token ids.
+        (B,) int64 token ids in [0, V).
     """
     probs = torch.softmax(scores.float(), dim=-1)  # (B, V)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
     # strictly below the total: the search then always lands on a token of positive probability
     target = torch.minimum(uniform.to(torch.float64)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
+    # a NaN row (a diverged model) finds no cumulative value above its target: keep its index valid, so the NaN
+    # reaches the log-probs and the loss, where training stops with a named error, instead of an index error here
+    return index.clamp_(max=scores.shape[-1] - 1)

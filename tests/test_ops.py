@@ -546,6 +546,8 @@ def test_sample_categorical_draws_the_softmax_and_never_a_token_of_probability_z
     assert ops.sample_categorical(scores.expand(2, -1), edges).tolist() == [0, 5]
     tail_masked = torch.tensor([[0.0, 1.0, float("-inf")]])
     assert ops.sample_categorical(tail_masked, torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)).tolist() == [1]
+    nan_row = torch.tensor([[0.0, float("nan"), 1.0]])  # a diverged model: a valid index, the NaN goes on to the loss
+    assert 0 <= ops.sample_categorical(nan_row, torch.tensor([0.5], dtype=torch.float64)).item() < 3
     # a token of tiny probability keeps its mass in the fp64 running sum
     tiny = torch.tensor([[0.0, -20.0]])  # p(1) ~ 2e-9: drawn for uniforms past 1 - p(1)
     p1 = tiny.softmax(-1)[0, 1].double()
