@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from rlhf_core import ops
 from rlhf_core.batching import pad, token_ids
 from rlhf_core.kv_cache import CACHE, GrowingCache
-from rlhf_core.rollout import Rollout, generate_eos, own_generation_config, response_logits, stop_mask
+from rlhf_core.rollout import Rollout, own_generation_config, response_logits, stop_mask
 from rlhf_core.scoring import GoldFn, Scorer
 
 
@@ -36,8 +36,7 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
         queries, query_mask = (t.to(device) for t in pad(prompt_ids[start:start + batch_size], pad_token_id, "left"))
         with own_generation_config(policy):  # plain greedy: none of the model's own repetition penalties etc.
             out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
-                                  max_new_tokens=response_length, pad_token_id=pad_token_id,
-                                  eos_token_id=generate_eos(stop_token_id),
+                                  max_new_tokens=response_length, pad_token_id=pad_token_id, eos_token_id=stop_token_id,
                                   **{CACHE: GrowingCache(queries.shape[1] + response_length)})
         responses = out[:, queries.shape[1]:]
         responses = torch.cat([responses, responses.new_full(

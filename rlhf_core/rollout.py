@@ -241,7 +241,7 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
         sampler.observer, *_warpers(temperature, top_k, top_p, min_p, repetition_penalty), sampler])
     # greedy over the sampler's scores, which single out its draw: the processors above are the whole sampler
     config = GenerationConfig(max_new_tokens=response_length, do_sample=False, pad_token_id=pad_token_id,
-                              eos_token_id=generate_eos(stop_token_id), use_cache=True, return_dict_in_generate=True)
+                              eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True)
     with own_generation_config(policy):
         out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
                               logits_processor=processors, **{CACHE: _sampling_cache(
@@ -299,8 +299,9 @@ class _UnwarpedLogits(LogitsProcessor):
 def own_generation_config(model: nn.Module) -> Iterator[None]:
     """`generate` fills every option its call leaves unset from the model's own generation config, and a hub
     model's generation_config.json often sets some (repetition_penalty, no_repeat_ngram_size, top_k,
-    suppress_tokens...): sampling would then add processors the loss knows nothing of, off-policy without a word.
-    Inside this block the model (a PEFT model's base) has a blank one; the saved model keeps its own."""
+    suppress_tokens...): sampling would then add processors the loss knows nothing of, off-policy without a word,
+    and a call without a stop token (eos_token_id None) would still stop and pad at the model's EOS. Inside this
+    block the model (a PEFT model's base) has a blank one; the saved model keeps its own."""
     target = model.get_base_model() if hasattr(model, "get_base_model") else model
     saved = target.generation_config
     target.generation_config = GenerationConfig()
@@ -308,12 +309,6 @@ def own_generation_config(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         target.generation_config = saved
-
-
-def generate_eos(stop_token_id: int | None) -> int | list[int]:
-    """`generate`'s eos_token_id for a stop token. No stop token is [], not None: None falls back to the model's
-    own generation config, which often names an EOS, and generation would stop and pad there."""
-    return [] if stop_token_id is None else stop_token_id
 
 
 def _sampling_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, capacity: int) -> GrowingCache:
