@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from rlhf_core import ops
 from rlhf_core.batching import pad, token_ids
 from rlhf_core.kv_cache import CACHE, GrowingCache
-from rlhf_core.rollout import Rollout, own_generation_config, response_logits, stop_mask
+from rlhf_core.rollout import Rollout, own_generation_config, reading_last, response_logits, stop_mask
 from rlhf_core.scoring import GoldFn, Scorer
 
 
@@ -34,7 +34,8 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
     parts = []
     for start in range(0, len(prompt_ids), batch_size):
         queries, query_mask = (t.to(device) for t in pad(prompt_ids[start:start + batch_size], pad_token_id, "left"))
-        with own_generation_config(policy):  # plain greedy: none of the model's own repetition penalties etc.
+        # plain greedy: none of the model's own repetition penalties etc.; each decoding step reads its last position
+        with own_generation_config(policy), reading_last(policy, 1):
             out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
                                   max_new_tokens=response_length, pad_token_id=pad_token_id, eos_token_id=stop_token_id,
                                   **{CACHE: GrowingCache(queries.shape[1] + response_length)})

@@ -43,10 +43,11 @@ def completion_scores(model: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Ten
     groups = distinct_prompts(queries, query_mask) if share_prompts and queries.shape[1] else None
     if groups is None:
         mask = torch.cat([query_mask, completion_mask], dim=1)
-        hidden = backbone_hidden(model, torch.cat([queries, completions], dim=1), mask)[:, queries.shape[1]:]
+        hidden = backbone_hidden(model, torch.cat([queries, completions], dim=1), mask,
+                                 reads=completions.shape[1])[:, queries.shape[1]:]
     else:
         backbone = getattr(model, model.base_model_prefix)
-        _, rest = shared_prompt_forward(backbone, parts, groups, response_tokens=completions.shape[1])
+        _, rest = shared_prompt_forward(backbone, parts, groups, response_tokens=completions.shape[1], prompt_reads=0)
         hidden = rest.last_hidden_state  # (B, R, H)
     picked = hidden[torch.arange(len(hidden), device=hidden.device), last]  # (B, H)
     return score_head(model)(picked).squeeze(-1).float()  # (B,)

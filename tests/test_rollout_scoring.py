@@ -5,7 +5,13 @@ from __future__ import annotations
 import pydantic
 import pytest
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    DynamicCache,
+    GenerationConfig,
+)
 
 from conftest import TINY_VOCAB, target_fraction
 from rlhf_core import ops
@@ -17,14 +23,16 @@ from rlhf_core.kv_cache import CACHE, GrowingCache
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.rollout import (
+    POSITIONWISE_MLP_MODELS,
     Rollout,
     distinct_prompts,
     position_ids,
     response_logits,
     sample_responses,
     stop_mask,
+    token_values,
 )
-from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer
+from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer, completion_scores
 
 
 def make_batch(queries, query_mask, responses, stop_token_id=1):
@@ -194,6 +202,106 @@ def test_training_forward_over_shared_prompts_has_the_full_forwards_gradients(ma
     torch.testing.assert_close(shared, full, rtol=0, atol=1e-5)
     for name, grad in full_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def tiny_decoder_config(model_type: str):
+    """A 2-layer model of `model_type` over the tiny vocabulary, random weights."""
+    if model_type == "gpt2":
+        config = AutoConfig.for_model("gpt2", vocab_size=TINY_VOCAB, n_embd=32, n_layer=2, n_head=4, n_inner=64)
+    else:
+        heads = {} if model_type == "gpt_neox" else {"num_key_value_heads": 2, "head_dim": 8}
+        config = AutoConfig.for_model(model_type, vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64, **heads)
+    config.pad_token_id, config.bos_token_id, config.eos_token_id, config.num_labels = 0, None, 1, 1
+    return config
+
+
+def last_mlp_positions(model) -> list[int]:
+    """The sequence length of every input the last decoder layer's MLP runs on, as they happen."""
+    seen: list[int] = []
+    mlp = [module for name, module in model.named_modules() if name.endswith("mlp")][-1]
+    mlp.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    return seen
+
+
+@pytest.mark.parametrize("model_type", sorted(POSITIONWISE_MLP_MODELS))
+def test_the_last_layers_mlp_runs_on_the_read_positions_only_and_every_read_value_is_the_models_own(model_type,
+                                                                                                      prompts):
+    """Log-probs, values and reward scores, over whole sequences and over shared prompts, equal the model's own
+    full forward, while the last layer's MLP runs on the positions they read: the R + 1 last for logits and
+    values, the R completion positions for a score, the prompt's last for generation, none for a prompt pass
+    that only fills a KV cache."""
+    torch.manual_seed(0)
+    config = tiny_decoder_config(model_type)
+    policy = AutoModelForCausalLM.from_config(config).eval()
+    scorer = AutoModelForSequenceClassification.from_config(config).eval()
+    batch = shared_prompt_batch(prompts)
+    P, R = batch.queries.shape[1], batch.responses.shape[1]
+    ids = torch.cat([batch.queries, batch.responses], dim=1)
+    mask = torch.cat([batch.query_mask, batch.response_mask], dim=1)
+    policy_seen, scorer_seen = last_mlp_positions(policy), last_mlp_positions(scorer)
+    with torch.no_grad():
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        hidden = getattr(scorer, scorer.base_model_prefix)(input_ids=ids, attention_mask=mask,
+                                                           position_ids=position_ids(mask)).last_hidden_state
+        values = scorer.score(hidden).squeeze(-1)
+        assert policy_seen == scorer_seen == [P + R]
+        for share in (False, True):
+            torch.testing.assert_close(response_logits(policy, batch, 0.7, share_prompts=share),
+                                       logits[:, P - 1:-1] / 0.7, rtol=0, atol=1e-5)
+        torch.testing.assert_close(token_values(scorer, batch), values[:, P - 1:-1], rtol=0, atol=1e-5)
+        last = batch.response_lengths - 1
+        for share in (False, True):
+            torch.testing.assert_close(completion_scores(scorer, batch_parts(batch), last, share_prompts=share),
+                                       values[torch.arange(len(batch)), P + last], rtol=0, atol=1e-5)
+    assert policy_seen[1:] == [R + 1, 1, R - 1], "whole sequences, then a shared prompt's last and the responses"
+    assert scorer_seen[1:] == [R + 1, R, 0, R]
+
+    del policy_seen[:]
+    sample_responses(policy, batch.queries, batch.query_mask, response_length=3, temperature=0.7, pad_token_id=0,
+                     stop_token_id=None)
+    assert policy_seen == [0, 1, 1, 1], "each shared prompt's prefill but its last token, then one per step"
+
+
+def batch_parts(batch: Rollout):
+    return batch.queries, batch.query_mask, batch.responses, batch.response_mask
+
+
+def test_the_mlp_cut_keeps_the_gradients_and_stays_off_where_it_cannot_hold(prompts):
+    """Training through the cut gives the full forward's gradients; under gradient checkpointing (whose backward
+    recomputes the layer) and for an architecture not known to have a position-wise MLP, the MLP runs whole."""
+    batch = shared_prompt_batch(prompts)
+    P, R = batch.queries.shape[1], batch.responses.shape[1]
+    ids = torch.cat([batch.queries, batch.responses], dim=1)
+    mask = torch.cat([batch.query_mask, batch.response_mask], dim=1)
+    weights = torch.linspace(-1, 1, len(batch))[:, None]
+
+    def gradients(model, logits):
+        logprobs = ops.selective_log_softmax(logits, batch.responses)
+        (logprobs * batch.response_mask * weights).sum().backward()
+        grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+        model.zero_grad()
+        return grads
+
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_config(tiny_decoder_config("llama"))
+    seen = last_mlp_positions(policy)
+    full = gradients(policy, policy(input_ids=ids, attention_mask=mask,
+                                    position_ids=position_ids(mask)).logits[:, P - 1:-1] / 0.7)
+    cut = gradients(policy, response_logits(policy, batch, 0.7))
+    policy.gradient_checkpointing_enable()
+    policy.train()
+    checkpointed = gradients(policy, response_logits(policy, batch, 0.7))
+    assert seen == [P + R, R + 1, P + R, P + R], "the checkpointed backward recomputes the whole layer"
+    for name, grad in full.items():
+        torch.testing.assert_close(cut[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+    unknown = AutoModelForCausalLM.from_config(tiny_decoder_config("starcoder2"))
+    assert "starcoder2" not in POSITIONWISE_MLP_MODELS
+    seen = last_mlp_positions(unknown)
+    response_logits(unknown, batch, 0.7)
+    assert seen == [P + R]
 
 
 def test_generation_prefills_each_shared_prompt_once_with_the_same_samples(make_policy, prompts):
