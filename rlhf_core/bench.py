@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from rlhf_core.config import RLConfig
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
 from rlhf_core.rl_trainer import RLTrainer
+from rlhf_core.rollout import last_layer_mlp
 from rlhf_core.scoring import RewardModelScorer
 
 VOCAB_SIZE, PROMPTS, PROMPT_LENGTH, EPISODES_PER_UPDATE = 2048, 512, 48, 64
@@ -73,27 +74,33 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
         update    num_epochs × (forward + backward) of the policy (and PPO's value model)
 
     With RLOO's k samples per prompt, a shared prompt's tokens count once (`rollout.shared_prompt_forward`):
-    n·P + B·R tokens instead of B·(P + R) for n prompts and B = k·n episodes.
+    n·P + B·R tokens instead of B·(P + R) for n prompts and B = k·n episodes. Every forward is read at ~B·R
+    positions, the only ones where the LM head and the last layer's MLP run (`rollout.reading_last`).
     """
     cfg, model = trainer.cfg, trainer.unwrapped
     policy, value = model.policy, model.value
     head = policy.get_output_embeddings().weight.numel()
-    body = matmul_params(policy) - head
     B, P, R, k = trainer.plan.batch_size, prompt_length, cfg.response_length, cfg.samples_per_prompt
     full = B * (P + R)
     shared = B // k * P + B * R if k > 1 else full  # what a forward over prompts shared by k samples reads
+    read = B * R  # the positions every forward reads: the LM head and the last layer's MLP run there only
 
-    def lm_forward(tokens: int) -> int:  # the LM head on the R positions that predict the response only
-        return 2 * (body * tokens + head * B * R)
+    def forward(model: nn.Module, tokens: int, lm_head: bool = False) -> int:
+        body = matmul_params(model) - (head if lm_head else 0)
+        last_mlp = last_layer_mlp(model)
+        cut = 0 if last_mlp is None else matmul_params(last_mlp) * (tokens - read)
+        return 2 * (body * tokens - cut + (head * read if lm_head else 0))
 
-    generation = lm_forward(B // k * P + B * R if k > 1 else full)  # prefill, then one token at a time
+    generation = forward(policy, shared, lm_head=True)  # prefill, then one token at a time
     policy_tokens = shared if trainer.share_prompts else full
-    rollout_policy = 0 if trainer._sampling_logprobs_exact else lm_forward(policy_tokens)
-    value_forward = 0 if value is None else 2 * matmul_params(value) * full
+    policy_forward = forward(policy, policy_tokens, lm_head=True)
+    rollout_policy = 0 if trainer._sampling_logprobs_exact else policy_forward
+    value_forward = 0 if value is None else forward(value, full)
     reward = getattr(trainer.scorer, "model", None)
-    reward_forward = 0 if reward is None else 2 * matmul_params(reward) * shared
-    update = cfg.num_epochs * 3 * (lm_forward(policy_tokens) + value_forward)
-    return float(generation + rollout_policy + lm_forward(shared) + value_forward + reward_forward + update)
+    reward_forward = 0 if reward is None else forward(reward, shared)
+    update = cfg.num_epochs * 3 * (policy_forward + value_forward)
+    reference_forward = forward(policy, shared, lm_head=True)
+    return float(generation + rollout_policy + reference_forward + value_forward + reward_forward + update)
 
 
 def peak_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024) -> float:

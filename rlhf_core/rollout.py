@@ -198,7 +198,7 @@ def reading_last(model: nn.Module, positions: int | None) -> Iterator[None]:
     positions a prompt's) that is 11 % fewer matmul FLOPs. Off for architectures not in POSITIONWISE_MLP_MODELS
     and under gradient checkpointing, whose backward recomputes the layer outside the block.
     """
-    mlp = None if positions is None else _last_mlp(model)
+    mlp = None if positions is None else last_layer_mlp(model)
     if mlp is None:
         yield
         return
@@ -221,7 +221,7 @@ def reading_last(model: nn.Module, positions: int | None) -> Iterator[None]:
             handle.remove()
 
 
-def _last_mlp(model: nn.Module) -> nn.Module | None:
+def last_layer_mlp(model: nn.Module) -> nn.Module | None:
     """The last decoder layer's MLP where `reading_last` may cut it, else None."""
     if getattr(getattr(model, "config", None), "model_type", None) not in POSITIONWISE_MLP_MODELS:
         return None

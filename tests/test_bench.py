@@ -28,9 +28,15 @@ def test_update_flops_add_up_the_phases(algo):
     P, R, B = 48, trainer.cfg.response_length, trainer.plan.batch_size
     assert trainer._sampling_logprobs_exact, "fp32: the policy's rollout log-probs cost no forward"
     tokens = B * (P + R) if algo == "ppo" else B // 2 * P + B * R  # RLOO's 2 samples read their prompt once
-    lm_forward = 2 * (body * tokens + head * B * R)
-    value_forward = 2 * matmul_params(trainer.unwrapped.value) * B * (P + R) if algo == "ppo" else 0
-    reward_forward = 2 * matmul_params(trainer.scorer.model) * tokens
+    config = policy.config
+    last_mlp = 2 * config.hidden_size * config.intermediate_size  # its MLP runs on the B·R read positions only
+
+    def forward(params: int, tokens: int) -> int:
+        return 2 * (params * tokens - last_mlp * (tokens - B * R))
+
+    lm_forward = forward(body, tokens) + 2 * head * B * R
+    value_forward = forward(matmul_params(trainer.unwrapped.value), B * (P + R)) if algo == "ppo" else 0
+    reward_forward = forward(matmul_params(trainer.scorer.model), tokens)
     generation, reference = lm_forward, lm_forward
     expected = (generation + reference + value_forward + reward_forward
                 + trainer.cfg.num_epochs * 3 * (lm_forward + value_forward))
