@@ -169,7 +169,7 @@ def markdown(summary: dict, args: argparse.Namespace, spec: dict) -> str:
     for algo, row in summary.items():
         key = next(k for k in row["ours"] if k.startswith("peak"))
         unit = "GiB" if key == "peak_gpu_gib" else "MiB"
-        phases = ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in row["ours"]["phases_s"].items())
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in row["ours"]["phases_s"].items())
         lines.append(f"| {algo} | {row['ours']['episodes_per_s']:.2f} | {row['trl']['episodes_per_s']:.2f} | "
                      f"{row['speed_ratio']:.2f} | {', '.join(f'{r:.2f}' for r in row['speed_ratio_per_pair'])} "
                      f"({row['speed_ratio_median_of_pairs']:.2f}) | {row['ours'][key]:.1f} {unit} | "

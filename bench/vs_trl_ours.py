@@ -8,21 +8,18 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from rlhf_core.bench import peak_matmul_flops, update_flops
+from rlhf_core.bench import median_phases, peak_matmul_flops, update_flops
 from rlhf_core.config import RLConfig, RuntimeConfig
 from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
-
-PHASES = ("time/rollout_s", "time/score_s", "time/advantages_s", "time/update_s")
 
 
 def rl_config(spec: dict, algo: str) -> RLConfig:
@@ -69,7 +66,7 @@ def main(workload: Path, algo: str) -> None:
               "distributed_type": runtime.accelerator.distributed_type.value,
               "num_processes": runtime.accelerator.num_processes, "zero_stage": runtime.zero_stage,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "phases_s": {k.removeprefix("time/"): statistics.median(h[k] for h in steady) for k in PHASES},
+              "phases_s": median_phases(steady),
               "clipfrac": max(h["policy/clipfrac_avg"] for h in history)}
     if device == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30

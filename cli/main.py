@@ -56,7 +56,9 @@ def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to 
     for key in ("episodes", "train_s", "episodes_per_s", "peak_rss_mib", "model_gflop_per_s",
                 "peak_matmul_gflop_per_s", "mfu"):
         table.add_row(key, str(result[key]))
-    for key in ("objective/scores", "objective/kl", "time/rollout_s", "time/update_s"):
+    for phase, seconds in result["phases_s"].items():
+        table.add_row(f"{phase} s/update (median)", f"{seconds:.4g}")
+    for key in ("objective/scores", "objective/kl"):
         table.add_row(key, f"{result['metrics'][key]:.4g}")
     Console().print(table)
 

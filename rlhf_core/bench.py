@@ -10,6 +10,7 @@ accumulation), 1 mini-batch, 4 epochs. RLOO: 32 prompts x k=2, one optimization 
 from __future__ import annotations
 
 import resource
+import statistics
 import time
 
 import torch
@@ -103,6 +104,12 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
     return float(generation + rollout_policy + reference_forward + value_forward + reward_forward + update)
 
 
+def median_phases(history: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per update of each phase of `RLTrainer.train` (rollout, score, advantages, update)."""
+    return {phase: statistics.median(h[f"time/{phase}_s"] for h in history)
+            for phase in ("rollout", "score", "advantages", "update")}
+
+
 def peak_matmul_flops(dtype: torch.dtype = torch.float32, device: str = "cpu", n: int = 1024) -> float:
     """The best of a few square matmuls on this machine (FLOP/s): the measured peak MFU is taken against."""
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
@@ -144,4 +151,6 @@ def run_bench(algo: str, updates: int = 5) -> dict:
     return {"algo": algo, "updates": len(history), "episodes": episodes, "train_s": round(train_s, 3),
             "episodes_per_s": round(episodes / train_s, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
             "model_gflop_per_s": round(achieved / 1e9, 2), "peak_matmul_gflop_per_s": round(peak / 1e9, 1),
-            "mfu": round(achieved / peak, 4), "metrics": history[-1]}
+            "mfu": round(achieved / peak, 4),
+            "phases_s": {phase: round(seconds, 4) for phase, seconds in median_phases(history).items()},
+            "metrics": history[-1]}

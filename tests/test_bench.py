@@ -78,7 +78,7 @@ def test_side_by_side_summary_pairs_each_run_with_its_neighbour(vs_trl):
         seconds = 64 / episodes_per_s
         ends = [10.0 + seconds * i for i in range(4)]  # the warm-up ends at 10 s, then 3 updates
         return {"algo": "ppo", "side": side, "episodes_per_update": 64, "update_ends": ends, "peak_rss_mib": rss,
-                **({"phases_s": {"update_s": seconds}} if side == "ours" else {})}
+                **({"phases_s": {"update": seconds}} if side == "ours" else {})}
 
     # the machine drifts: each pair's two runs move together; pair 1 runs TRL first
     runs = [run("ours", 60, 600), run("trl", 40, 700), run("trl", 25, 700), run("ours", 30, 610),
@@ -89,4 +89,4 @@ def test_side_by_side_summary_pairs_each_run_with_its_neighbour(vs_trl):
     assert row["speed_ratio_per_pair"] == pytest.approx([1.5, 1.2, 3.0])
     assert row["speed_ratio_median_of_pairs"] == pytest.approx(1.5)
     assert row["memory_ratio"] == pytest.approx(610 / 700)
-    assert row["ours"]["phases_s"] == {"update_s": pytest.approx(64 / 30)}
+    assert row["ours"]["phases_s"] == {"update": pytest.approx(64 / 30)}
