@@ -40,6 +40,9 @@ TRL_VERSION = "1.9.0"
 SHAPES = {
     "bench-tiny": dict(model=dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512,
                                   max_positions=256), prompt_length=48, response_length=24),
+    # bench/gpu_check.sh --cpu-dry-run: every path of the GPU check at shapes two CPU cores run in seconds
+    "dry-run": dict(model=dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256,
+                               max_positions=128), prompt_length=16, response_length=8),
     "pythia-1b": dict(model=dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=8,
                                  intermediate_size=8192, max_positions=2048), prompt_length=128, response_length=53),
 }
@@ -214,6 +217,8 @@ def main() -> None:
                     memory = {k: round(v, 1) for k, v in result.items() if k.startswith("peak")}
                     print(f"pair {pair} {algo} {side}: {steady_eps(result, spec['warmup_updates']):.2f} episodes/s "
                           f"{memory} {result.get('phases_s', '')}", file=sys.stderr, flush=True)
+                    if args.json:  # every finished run, so a run cut short keeps what it measured
+                        args.json.write_text(json.dumps({"spec": spec, "runs": runs}, indent=2))
     summary = summarize(runs, spec["warmup_updates"])
     if args.json:
         args.json.write_text(json.dumps({"spec": spec, "runs": runs, "summary": summary}, indent=2))

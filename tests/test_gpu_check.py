@@ -1,0 +1,48 @@
+"""`bench/gpu_check.sh --cpu-dry-run`: the GPU check's every part (the side-by-side against TRL, the gpu-marked tests,
+the DeepSpeed launches, the whole pipeline) at tiny shapes on the CPU, so the one GPU call can fail only for a
+reason that needs a GPU to show."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu-dry-run"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True)
+    log = (tmp_path / "gpu_check.log").read_text() if (tmp_path / "gpu_check.log").is_file() else ""
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + log[-6000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["dry_run"] and report["environment"]["device"].startswith("cpu")
+    assert [(p["part"], p["exit"]) for p in report["parts"]] == [
+        ("env", 0), ("vs_trl", 0), ("gpu_tests", 0), ("pipeline", 0)]
+    for algo in ("ppo", "rloo"):  # both sides ran and were timed
+        row = report["vs_trl"][algo]
+        assert row["ours"]["episodes_per_s"] > 0 and row["trl"]["episodes_per_s"] > 0
+        assert set(row["ours"]["phases_s"]) >= {"rollout", "score", "update"}
+    outcomes = report["gpu_test_outcomes"]
+    assert len(outcomes) == 8 and set(outcomes.values()) == {"passed"}, outcomes
+    ran = {(t["test"], t["algo"], t["variant"]) for t in report["gpu_tests"]}
+    assert ran == {(test, algo, variant) for algo in ("ppo", "rloo")
+                   for test, variant in (("in_process", "full"), ("in_process", "lora"),
+                                         ("deepspeed", "zero2"), ("deepspeed", "zero3"))}
+    pipeline = report["pipeline"]
+    assert pipeline["ok"] and list(pipeline["stages"]) == [
+        "prepare", "validate", "sft", "reward-model", "inspect", "train", "evaluate", "register"]
+    assert pipeline["metrics"]["train"]["update"] == 2 and pipeline["metrics"]["eval"]["mean_kl"] >= 0
+    # every target was computed from figures (whether a tiny CPU run meets the GPU targets says nothing)
+    assert all(t["value"] is not None for t in report["targets"].values()), report["targets"]
+    assert report["targets"]["approxkl_lr0_bf16_max"]["holds"]
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "| ppo |" in markdown and "| rloo |" in markdown and "all stages passed" in markdown
