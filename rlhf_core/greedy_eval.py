@@ -34,9 +34,11 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
     parts = []
     for start in range(0, len(prompt_ids), batch_size):
         queries, query_mask = (t.to(device) for t in pad(prompt_ids[start:start + batch_size], pad_token_id, "left"))
-        # plain greedy: none of the model's own repetition penalties etc.; each decoding step reads its last position
+        # plain greedy: none of the model's own repetition penalties etc.; each decoding step reads its last position.
+        # synced_gpus=False: the weights are whole on this rank (one rank evaluates), even under ZeRO-3
         with own_generation_config(policy), reading_last(policy, 1):
             out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
+                                  synced_gpus=False,
                                   max_new_tokens=response_length, pad_token_id=pad_token_id, eos_token_id=stop_token_id,
                                   **{CACHE: GrowingCache(queries.shape[1] + response_length)})
         responses = out[:, queries.shape[1]:]

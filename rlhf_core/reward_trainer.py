@@ -55,8 +55,9 @@ def pair_collate(pairs: Sequence[Pair], pad_token_id: int) -> Batch:
 
 def pair_scores(model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
     """Rewards of the chosen and the rejected completions, each (B,), scored at their last real token.
-    `model`: a sequence classifier, or the CompletionScores module a trainer prepared around one."""
-    scorer = CompletionScores(model) if hasattr(model, "config") else model
+    `model`: a sequence classifier, or the CompletionScores module a trainer prepared around one (a DeepSpeed engine
+    has a `config` of its own: the classifier is told by its `base_model_prefix`)."""
+    scorer = CompletionScores(model) if hasattr(model, "base_model_prefix") else model
     return scorer(**batch).chunk(2)  # (B,), (B,)
 
 

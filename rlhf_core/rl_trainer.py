@@ -13,8 +13,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -41,7 +41,7 @@ from rlhf_core.rollout import (
     stop_mask,
     token_values,
 )
-from rlhf_core.runtime import adamw
+from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed, modifiable, whole_weights
 from rlhf_core.scoring import Scorer, WeightedScorer
 from rlhf_core.tracking import NullTracker, Tracker
 
@@ -127,10 +127,6 @@ class RLTrainer:
             if model is not None:
                 disable_dropout(model)  # dropout would make rollout and training log-probs disagree
         self.ref_policy = self._frozen_reference(policy, ref_policy, device)
-        if cfg.sync_ref_model and self.accelerator.state.deepspeed_plugin is not None \
-                and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ValueError("sync_ref_model is not supported under DeepSpeed ZeRO-3 yet (the reference is sharded "
-                             "across ranks); use ZeRO-2 (infra/accelerate/deepspeed_zero2.yaml)")
         if cfg.sync_ref_model and self.ref_policy is None:
             raise ValueError("sync_ref_model needs a reference model of its own; with LoRA the reference is the "
                              "base model with the adapter off, which cannot follow the policy")
@@ -147,9 +143,8 @@ class RLTrainer:
         scheduler = get_scheduler(cfg.lr_scheduler, optimizer,
                                   num_warmup_steps=int(cfg.warmup_ratio * self.plan.num_optimizer_steps),
                                   num_training_steps=self.plan.num_optimizer_steps)
-        deepspeed = self.accelerator.state.deepspeed_plugin
-        if deepspeed is not None:  # no dataloader is prepared: DeepSpeed learns the micro-batch from the config
-            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_train_batch_size
+        configure_deepspeed(self.accelerator, micro_batch_size=cfg.per_device_train_batch_size,
+                            max_grad_norm=cfg.max_grad_norm)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self._module = model  # what DDP / DeepSpeed wrap, not copied: `unwrapped` without accelerate's unwrap_model
 
@@ -215,26 +210,10 @@ class RLTrainer:
                                                     None if keys is None else keys[i:i + step])
                                 for i in range(0, len(queries), step)])
 
-    @contextmanager
-    def _whole_weights(self) -> Iterator[None]:
-        """Under DeepSpeed ZeRO-3 each rank holds a shard of the policy and value weights: gather them once per
-        rollout, not once per generated token, so generation runs on whole weights and never waits for another
-        rank that stopped earlier. ZeRO-3's module hooks come off meanwhile: on whole weights they fetch nothing,
-        but their bookkeeping on every submodule at every token made one H100 rollout 7 s instead of 1 s.
-        A no-op without ZeRO-3."""
-        plugin = self.accelerator.state.deepspeed_plugin
-        if plugin is None or plugin.zero_stage != 3:
-            yield
-            return
-        import deepspeed
-
-        offload = getattr(self.model.optimizer, "parameter_offload", self.model.optimizer)
-        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-            _remove_zero3_hooks(offload)
-            try:
-                yield
-            finally:
-                _restore_zero3_hooks(offload)
+    def _whole_weights(self) -> AbstractContextManager:
+        """Under DeepSpeed ZeRO-3: the policy and value weights gathered once per rollout, not once per generated
+        token, so generation runs on whole weights and never waits for another rank that stopped earlier."""
+        return whole_weights(self.accelerator, self.model)
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:
         model, cfg = self.unwrapped, self.cfg
@@ -328,8 +307,8 @@ class RLTrainer:
                         out = self.model(mb.queries, mb.query_mask, mb.responses, mb.response_mask,
                                          cfg.temperature, self.share_prompts, with_entropy=epoch == 0)
                         loss, stats = self.algo.loss(out, mb, cfg)
-                        share = units[micro].sum() * plan.num_processes * cfg.gradient_accumulation_steps
-                        acc.backward(loss * share / mini_units)  # accelerate divides by the accumulation steps
+                        share = units[micro].sum() * averaged_over(acc)  # the micro-batch's units, times
+                        acc.backward(loss * share / mini_units)  # what accelerate and DDP average over
                         if acc.sync_gradients:
                             if cfg.max_grad_norm is not None:
                                 grad_norm = acc.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
@@ -366,7 +345,8 @@ class RLTrainer:
         cfg = self.cfg
         if not cfg.sync_ref_model or optimizer_steps % cfg.ref_model_sync_steps:
             return
-        with self._whole_weights():  # ZeRO-3: every rank mixes the whole policy into its whole reference
+        # ZeRO-3: every rank mixes the whole policy into the whole reference; rank 0's result is sharded back
+        with self._whole_weights(), modifiable(self.ref_policy):
             ops.mix_into(self.ref_policy.parameters(), self.unwrapped.policy.parameters(), cfg.ref_model_mixup_alpha)
 
     # ------------------------------------------------------------------ checkpoints
@@ -388,10 +368,12 @@ class RLTrainer:
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)  # model, optimizer, scheduler, RNG states
         acc.wait_for_everyone()  # every rank's shard is written before the main process renames the directory
+        if self.cfg.sync_ref_model:  # the reference has moved: resuming from the initial one would differ
+            with modifiable(self.ref_policy):  # ZeRO-3: whole on every rank (every rank joins), rank 0 writes it
+                if acc.is_main_process:
+                    save_file({k: v.contiguous() for k, v in self.ref_policy.state_dict().items()},
+                              tmp / REFERENCE_FILE)
         if acc.is_main_process:
-            if self.cfg.sync_ref_model:  # the reference has moved: resuming from the initial one would differ
-                save_file({k: v.contiguous() for k, v in self.ref_policy.state_dict().items()},
-                          tmp / REFERENCE_FILE)
             self.state.sampler = self.sampler.state_dict()
             meta = {"trainer": asdict(self.state), "config": self.cfg.model_dump(mode="json")}
             (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2))
@@ -418,7 +400,8 @@ class RLTrainer:
                                  f"this run has {key}={getattr(self.cfg, key)!r}")
         self.accelerator.load_state(str(path))
         if self.cfg.sync_ref_model:
-            self.ref_policy.load_state_dict(load_file(path / REFERENCE_FILE, device=str(self.accelerator.device)))
+            with modifiable(self.ref_policy):
+                self.ref_policy.load_state_dict(load_file(path / REFERENCE_FILE, device=str(self.accelerator.device)))
         self.state = TrainerState(**meta["trainer"])
         self.sampler.load_state_dict(self.state.sampler)
 
@@ -443,23 +426,6 @@ class RLTrainer:
                 module.save_pretrained(tmp, state_dict=own, safe_serialization=True)
                 if extra is not None:
                     extra.save_pretrained(tmp)
-
-
-def _remove_zero3_hooks(offload) -> None:
-    """Take ZeRO-3's fetch/release hooks off every submodule (`offload`: the engine's DeepSpeedZeRoOffload)."""
-    for param in offload.module.parameters():
-        param.ds_active_sub_modules.clear()
-    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []
-
-
-def _restore_zero3_hooks(offload) -> None:
-    """Put the hooks back; the recorded fetch order is stale after forwards it did not see, so drop it."""
-    coordinator = offload.param_coordinator
-    if not coordinator.is_invalid_trace():
-        coordinator._invalidate_trace()
-    offload._register_deepspeed_module(offload.module)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

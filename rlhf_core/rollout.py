@@ -117,7 +117,7 @@ def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Ten
     """
     queries, query_mask, responses, response_mask = _parts(batch)
     R = responses.shape[1]
-    groups = distinct_prompts(queries, query_mask) if share_prompts else None
+    groups = prompt_groups(model, queries, query_mask) if share_prompts else None
     if groups is not None:
         prompts, rest = shared_prompt_forward(model, (queries, query_mask, responses, response_mask), groups,
                                               response_tokens=R - 1, prompt_reads=1,
@@ -144,6 +144,37 @@ def distinct_prompts(queries: Tensor, query_mask: Tensor) -> tuple[Tensor, Tenso
     index = torch.arange(len(rows), device=rows.device)
     first = torch.full((len(unique),), len(rows), device=rows.device).scatter_reduce(0, inverse, index, "amin")
     return first, inverse
+
+
+def prompt_groups(model: nn.Module, queries: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:
+    """`distinct_prompts`, deciding between the shared-prompt path (two forwards: prompts, then responses) and the
+    plain one (one forward). A model sharded by DeepSpeed ZeRO-3 gathers its weights layer by layer in every forward,
+    a collective, so every rank must run as many forwards as the others: there the ranks agree (one all-reduce of a
+    flag per call), and a rank whose rows share no prompt takes the shared path too, each row its own group."""
+    groups = distinct_prompts(queries, query_mask)
+    if not _sharded(model):
+        return groups
+    import torch.distributed as dist
+
+    share = torch.tensor([groups is not None], dtype=torch.int32, device=queries.device)
+    dist.all_reduce(share, op=dist.ReduceOp.MAX)
+    if share.item() and groups is None:
+        rows = torch.arange(len(queries), device=queries.device)
+        groups = rows, rows
+    return groups
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether `model`'s forward gathers weights from other ranks: ZeRO-3 has partitioned it (its parameters carry
+    `ds_id`) and they are not whole now (inside `runtime.whole_weights` they are, and one rank may run alone)."""
+    import torch.distributed as dist
+
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return False
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return any(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in model.parameters()) \
+        and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def shared_prompt_forward(model: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor], groups: tuple[Tensor, Tensor],
@@ -287,7 +318,8 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
     log-probs recomputed in training describe exactly the distribution that was sampled. The truncations
     (top_k, top_p, min_p, repetition_penalty) are the user's choice, with the off-policy ratio they bring.
     The draw is `TokenSampler`'s (inverse CDF, one uniform per row and token): the same distribution as
-    `generate`'s multinomial draw, faster. `noise_keys` (B,): each row draws its own keyed uniforms
+    `generate`'s multinomial draw, faster. The policy's weights must be whole on this rank (under ZeRO-3: gathered,
+    `runtime.whole_weights`): ranks decode independently, with no collective per token. `noise_keys` (B,): each row draws its own keyed uniforms
     (`ops.keyed_uniform`) instead of the global random stream.
 
     Returns the responses and, with `keep_logprobs`, the log-prob of each sampled token under the unwarped
@@ -301,8 +333,10 @@ def sample_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, 
     config = GenerationConfig(max_new_tokens=response_length, do_sample=False, pad_token_id=pad_token_id,
                               eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True)
     with own_generation_config(policy), reading_last(policy, 1):  # each decoding step reads its last position
+        # synced_gpus: under ZeRO-3 with 2+ ranks transformers would default it to True (an all-reduce per token, and
+        # a rank that finished running forwards until all have), for weights sharded per forward; ours are whole
         out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config,
-                              logits_processor=processors, **{CACHE: _sampling_cache(
+                              logits_processor=processors, synced_gpus=False, **{CACHE: _sampling_cache(
                                   policy, queries, query_mask, capacity=queries.shape[1] + response_length)})
     responses = out.sequences[:, queries.shape[1]:]  # (B, <=R)
     missing = response_length - responses.shape[1]  # every row stopped before R

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_core.reward_functions import RewardFn, import_reward_function  # noqa: F401 (re-exported)
-from rlhf_core.rollout import Rollout, backbone_hidden, distinct_prompts, score_head, shared_prompt_forward
+from rlhf_core.rollout import Rollout, backbone_hidden, prompt_groups, score_head, shared_prompt_forward
 
 GoldFn = Callable[[str, str, bool], float]
 """(prompt, completion, ended_with_eos) -> a known true reward (the demo world's `gold_reward`); evaluations
@@ -40,7 +40,7 @@ def completion_scores(model: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Ten
     `share_prompts` is False: under gradient checkpointing, which keeps no KV cache.
     """
     queries, query_mask, completions, completion_mask = parts
-    groups = distinct_prompts(queries, query_mask) if share_prompts and queries.shape[1] else None
+    groups = prompt_groups(model, queries, query_mask) if share_prompts and queries.shape[1] else None
     if groups is None:
         mask = torch.cat([query_mask, completion_mask], dim=1)
         hidden = backbone_hidden(model, torch.cat([queries, completions], dim=1), mask,

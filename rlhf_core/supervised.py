@@ -22,7 +22,7 @@ from transformers import get_scheduler
 
 from rlhf_core.config import SupervisedConfig
 from rlhf_core.metrics import MetricAccumulator
-from rlhf_core.runtime import adamw
+from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed
 
 # Mini-batches whose rows are sorted by length together: enough to group lengths, few enough to stay random.
 LENGTH_WINDOW = 64
@@ -36,7 +36,8 @@ Progress = Callable[[int, Mapping[str, float]], None]
 class TrainResult:
     """What a supervised run returns."""
 
-    model: nn.Module  # the trained model, unwrapped from accelerate
+    model: nn.Module  # the trained model, unwrapped from accelerate (under ZeRO-3 a shard: see `engine`)
+    engine: nn.Module  # what accelerate prepared (DDP, DeepSpeed): runtime.whole_weights(acc, engine) gathers `model`
     history: list[dict[str, float]]  # every report `progress` received, in order
     metrics: dict[str, float]  # the evaluation after the last epoch
     train_seconds: float  # wall-clock of the whole loop, evaluations included
@@ -86,8 +87,7 @@ def _optimizer_step(acc: Accelerator, model: nn.Module, optimizer, scheduler, mi
     micro_batches = [{k: v.to(acc.device) for k, v in batch.items()} for batch in micro_batches]
     local_units = sum(units_fn(b) for b in micro_batches).float().to(acc.device)
     units = acc.reduce(local_units, reduction="sum")  # all processes' units of this mini-batch
-    # accelerate divides each loss by the accumulation steps and DDP averages over processes: undo both
-    scale = cfg.gradient_accumulation_steps * acc.num_processes / units.clamp(min=1)
+    scale = averaged_over(acc) / units.clamp(min=1)  # undo accelerate's and DDP's averaging: the exact mean
     for batch in micro_batches:
         with acc.accumulate(model):
             losses = losses_fn(model, batch)  # each (U,) or (B,)
@@ -128,6 +128,7 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Se
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_training_steps=total_steps,
                               num_warmup_steps=round(cfg.warmup_ratio * total_steps))
     module = model  # what DDP / DeepSpeed wrap; accelerate's unwrap_model would import deepspeed (+115 MB RSS)
+    configure_deepspeed(acc, micro_batch_size=cfg.per_device_train_batch_size, max_grad_norm=cfg.max_grad_norm)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
 
     history: list[dict[str, float]] = []
@@ -152,5 +153,5 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Se
         with acc.autocast():  # the training forward's precision
             eval_metrics = evaluate(module)
         report(step, {**eval_metrics, "epoch": epoch + 1.0})
-    return TrainResult(model=module, history=history, metrics=eval_metrics,
+    return TrainResult(model=module, engine=model, history=history, metrics=eval_metrics,
                        train_seconds=time.perf_counter() - start)

@@ -21,6 +21,7 @@ from tasks.common.mlflow_store import get_client
 from tasks.common.runner import leave_process_group
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_cpu_processes_launch_with_torchrun(monkeypatch):
@@ -46,7 +47,9 @@ def test_an_accelerate_config_launches_with_accelerate(monkeypatch, tmp_path):
 def test_what_runs_in_this_process(monkeypatch, tmp_path):
     monkeypatch.delenv(LAUNCHED_ENV, raising=False)
     assert launch_command(RuntimeConfig(), "train", []) is None, "one process: no launcher"
-    assert launch_command(RuntimeConfig(num_processes=2), "evaluate", []) is None, "only training stages"
+    assert launch_command(RuntimeConfig(num_processes=2), "prepare", []) is None, "only stages that run a model"
+    assert launch_command(RuntimeConfig(device="cpu", num_processes=2), "evaluate", []) is not None, \
+        "evaluate and inspect run under the runtime too"
     with pytest.raises(ValueError, match="no such file"):
         launch_command(RuntimeConfig(accelerate_config=str(tmp_path / "nope.yaml")), "train", [])
     monkeypatch.setenv(LAUNCHED_ENV, "1")
@@ -57,30 +60,37 @@ def test_what_runs_in_this_process(monkeypatch, tmp_path):
 # episode-keyed sampling each episode draws the same completion on either layout, so the runs train the same policy.
 SAME_BATCH = ["train.per_device_train_batch_size=8", "train.local_rollout_forward_batch_size=32",
               "train.total_episodes=128", "train.learning_rate=1e-3", "train.sampling_seed=episode"]
-LAYOUTS = {1: ["train.gradient_accumulation_steps=8"],
-           2: ["train.gradient_accumulation_steps=4", "runtime.num_processes=2"]}
+LAYOUT_ACCUMULATION = {1: 8, 2: 4}
+LAYOUTS = {n: [f"train.gradient_accumulation_steps={g}", f"runtime.num_processes={n}"]
+           for n, g in LAYOUT_ACCUMULATION.items()}
 
 
-def stage_train(root: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+def stage_train(root: Path, overrides: list[str], profile: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop(LAUNCHED_ENV, None)
     args = [x for item in [*TINY, *SAME_BATCH, *overrides] for x in ("--set", item)]
+    if profile is not None:  # profiles/<profile>.yaml of the repo, beside the workspace's params.yaml
+        shutil.copytree(REPO / "profiles", root / "profiles", dirs_exist_ok=True)
+        args = ["--profile", profile, *args]
     return subprocess.run([RLHF, "stage", "train", *args], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
 
 
 @pytest.mark.slow
 def test_train_stage_on_two_processes(workspace):
-    """The real stage through the launcher: 2 ranks train, rank 0 alone writes one set of outputs and one MLflow
-    run, and the policy is the 1-process run's on the same global batches (episode-keyed sampling)."""
+    """The real stage through the launcher under profiles/cpu-ddp.yaml (2 processes, torchrun, gloo): 2 ranks train,
+    rank 0 alone writes one set of outputs and one MLflow run, and the policy is the 1-process run's (the same
+    profile on one process) on the same global batches (episode-keyed sampling), within 1e-4."""
     for name in ("prepare", "validate", "sft", "reward-model", "inspect"):
         invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
     alone = workspace.parent / f"{workspace.name}-one"
     shutil.copytree(workspace, alone)
     sft = load_file(workspace / "models" / "sft" / "model.safetensors")
     policies = {}
+    layouts = {2: [f"train.gradient_accumulation_steps={LAYOUT_ACCUMULATION[2]}"],  # the profile's 2 processes
+               1: [f"train.gradient_accumulation_steps={LAYOUT_ACCUMULATION[1]}", "runtime.num_processes=1"]}
     for processes, root in ((2, workspace), (1, alone)):
-        proc = stage_train(root, LAYOUTS[processes])
+        proc = stage_train(root, layouts[processes], profile="cpu-ddp")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert proc.stdout.count('"num_processes"') == 1, "one result printed, by rank 0"
         metrics = json.loads((root / "metrics" / "train.json").read_text())
@@ -124,19 +134,26 @@ def test_a_batch_the_processes_cannot_fill_fails_before_any_model_loads(workspac
 
 
 @pytest.mark.slow
-def test_sft_and_reward_model_stages_on_two_processes(workspace):
+@pytest.mark.parametrize("engine", [None, "deepspeed_zero2.yaml"], ids=["ddp", "zero2"])
+def test_sft_and_reward_model_stages_on_two_processes(workspace, engine):
+    """DDP (torchrun, gloo) and DeepSpeed ZeRO-2 (the supervised loop prepares no dataloader: the micro-batch and
+    the clipping reach DeepSpeed's config); ZeRO-3 runs them in tests/test_cpu_profiles.py's whole flow."""
     for name in ("prepare", "validate"):
         invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(LAUNCHED_ENV, None)
-    args = [x for item in [*TINY, "runtime.num_processes=2"] for x in ("--set", item)]
+    launch = ["runtime.num_processes=2", *([f"runtime.accelerate_config={REPO / 'infra' / 'accelerate' / engine}"]
+                                           if engine else [])]
+    args = [x for item in [*TINY, *launch] for x in ("--set", item)]
     for stage, model, metrics_file in (("sft", "sft", "sft"), ("reward-model", "reward", "reward")):
         proc = subprocess.run([RLHF, "stage", stage, *args], cwd=workspace, env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert (workspace / "models" / model / "model.safetensors").is_file()
         assert json.loads((workspace / "reports" / "execution" / f"{stage}.json").read_text())["train_seconds"] > 0
-        assert "train_seconds" not in json.loads((workspace / "metrics" / f"{metrics_file}.json").read_text())
+        metrics = json.loads((workspace / "metrics" / f"{metrics_file}.json").read_text())
+        assert "train_seconds" not in metrics
+        assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "DEEPSPEED" if engine else "MULTI_CPU")
     client = get_client(workspace)
     experiments = [e.experiment_id for e in client.search_experiments()]
     for stage in ("sft", "reward-model"):

@@ -22,7 +22,9 @@ from pathlib import Path
 from rlhf_core.config import RuntimeConfig
 
 LAUNCHED_ENV = "RLHF_LAUNCHED"
-STAGES_WITH_TRAINING = ("sft", "reward-model", "train")  # the stages a launcher can spread over processes
+# the stages that run a model, all under the runtime's launch: sft, reward-model and train train on every rank;
+# inspect and evaluate run on rank 0 (they record the launch they ran under, and prove it works before train)
+MODEL_STAGES = ("sft", "reward-model", "inspect", "train", "evaluate")
 GRACE_S = 30  # after SIGTERM, how long the ranks get to exit before SIGKILL
 
 
@@ -33,9 +35,9 @@ def is_main_process() -> bool:
 
 def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) -> list[str] | None:
     """The command that runs `rlhf stage <stage> <stage_args>` on runtime.num_processes processes, or None
-    when the stage runs in this process (one process, no accelerate config, a stage that does not train, or
+    when the stage runs in this process (one process, no accelerate config, a stage that runs no model, or
     already launched)."""
-    if not runtime.launched or stage not in STAGES_WITH_TRAINING or os.environ.get(LAUNCHED_ENV):
+    if not runtime.launched or stage not in MODEL_STAGES or os.environ.get(LAUNCHED_ENV):
         return None
     from rlhf_core.runtime import check, device_of  # torch + accelerate: only when launching
 

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 MAX_TABLE_ROWS = 5000
 OVERRIDES_TAG = "rlhf.overrides"  # JSON list of the `section.key=value` overrides of a pipeline or stage run
-SYSTEM_METRICS_ENV = "RLHF_SYSTEM_METRICS"  # off: no GPU system metrics even on a GPU machine
+SYSTEM_METRICS_ENV = "RLHF_SYSTEM_METRICS"
+LAUNCH_PARAMS = ("num_processes", "distributed_type")  # of a model stage's metrics, logged as params too  # off: no GPU system metrics even on a GPU machine
 
 
 @dataclass
@@ -136,6 +137,9 @@ def _log_table(run: MlflowStageRun, path: Path, artifact_file: str) -> None:
 
 def _close_stage_run(run: MlflowStageRun, root: Path, name: str, metrics: Mapping[str, Any], status: str,
                      error: str | None = None) -> None:
+    launch = {k: metrics[k] for k in LAUNCH_PARAMS if k in metrics}
+    if launch:  # the launch the stage really ran under (runtime.* are what was asked for)
+        run.tracker.log_params(launch)
     # the stage's result, but not again where the stage logged a history (train's per-update metrics)
     summary = {k: v for k, v in numeric(metrics).items() if k not in run.tracker.logged}
     if summary:

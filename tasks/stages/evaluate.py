@@ -21,10 +21,14 @@ from tasks.common.progress import count_callback, progress_bar
 def run(params: Params, paths: Paths) -> dict:
     cfg = params.evaluate
     runtime = Runtime(params.runtime)
+    if not runtime.is_main_process:  # launched with the others (the runtime of every model stage): rank 0 evaluates
+        return {}
     tokenizer = load_tokenizer(paths.policy)
     prompts = [row["prompt"] for row in read_split(paths, "prompts_eval", tokenizer, params)[:cfg.num_prompts]]
-    policy, reference = runtime.load_frozen(load_policy, paths.policy), runtime.load_frozen(load_policy, paths.sft_model)
-    scorer = RewardModelScorer(runtime.load_frozen(load_scorer_model, paths.reward_model), batch_size=cfg.batch_size)
+    policy, reference, reward = (runtime.load_frozen(loader, source, sharded=False) for loader, source in
+                                 ((load_policy, paths.policy), (load_policy, paths.sft_model),
+                                  (load_scorer_model, paths.reward_model)))
+    scorer = RewardModelScorer(reward, batch_size=cfg.batch_size)
     with progress_bar("evaluate", total=2 * len(prompts)) as update, runtime.autocast():
         report = evaluate(policy, reference, tokenizer, prompts, scorer=scorer,
                           response_length=cfg.response_length, temperature=params.train.temperature,
@@ -38,5 +42,6 @@ def run(params: Params, paths: Paths) -> dict:
     write_jsonl(out / "completions.jsonl", report.rows)
     history_file = paths.train_history
     plot_evaluation(report.rows, read_json(history_file) if history_file.is_file() else [], out)
-    write_json(paths.metrics_file("eval"), report.summary)
-    return report.summary
+    summary = {**report.summary, **runtime.layout}
+    write_json(paths.metrics_file("eval"), summary)
+    return summary

@@ -32,7 +32,7 @@ def inspect_model(source: str | Path, cfg: InspectionConfig, runtime: Runtime, p
     """Load a reward model (directory or hub id) with its tokenizer and inspect it on the given files (text or
     conversations, rendered by its tokenizer's chat template), on the runtime's device in its frozen dtype (as RL
     and evaluation score with it)."""
-    model = runtime.load_frozen(load_scorer_model, source)
+    model = runtime.load_frozen(load_scorer_model, source, sharded=False)  # one process inspects it
     tokenizer = load_tokenizer(source)
     pair_rows = read_rows(pairs, tokenizer, template_kwargs, ("prompt", "chosen", "rejected")) if pairs else []
     prompt_rows = read_rows(prompts, tokenizer, template_kwargs, ("prompt",)) if prompts else []
@@ -66,12 +66,15 @@ def metrics(report: dict) -> dict:
 
 def run(params: Params, paths: Paths) -> dict:
     out = paths.root / REPORT_DIR
-    report = inspect_model(paths.reward_model, params.inspect, Runtime(params.runtime),
+    runtime = Runtime(params.runtime)
+    if not runtime.is_main_process:  # launched with the others (the runtime of every model stage): rank 0 inspects
+        return {}
+    report = inspect_model(paths.reward_model, params.inspect, runtime,
                            pairs=paths.split("prefs_eval"), prompts=paths.split("prompts_eval"),
                            template_kwargs=params.prepare.chat_template_kwargs)
     report["source"] = "models/reward"
     write_report(report, out)
-    result = metrics(report)
+    result = {**metrics(report), **runtime.layout}
     write_json(paths.metrics_file("inspect"), result)
     if not report["passed"]:
         raise InspectionFailed(failure_message(report, out / "summary.md"))

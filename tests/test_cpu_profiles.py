@@ -1,0 +1,116 @@
+"""The CPU launch profiles (profiles/cpu-*.yaml) through the whole flow, and README "Training on GPUs" held to the
+commands the tests run: each launch path the README shows for GPUs is run here on 2 CPU processes."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from test_flow import BIN, base_env, pipeline_repo  # noqa: F401 (a fixture)
+from test_lora import README_COMMANDS as LORA_COMMANDS  # the LoRA commands, mapped beside their tests
+
+from tasks.common.launcher import MODEL_STAGES
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+MODEL_METRICS = {"sft": "sft", "reward-model": "reward", "inspect": "inspect", "train": "train", "evaluate": "eval"}
+
+
+def with_profiles(repo: Path) -> Path:
+    """A workspace with the repo's profiles and launch configs (a profile names infra/accelerate/ relative to it)."""
+    shutil.copytree(REPO / "profiles", repo / "profiles", dirs_exist_ok=True)
+    shutil.copytree(REPO / "infra" / "accelerate", repo / "infra" / "accelerate", dirs_exist_ok=True)
+    return repo
+
+
+@pytest.mark.slow
+def test_the_whole_flow_under_the_cpu_zero3_profile(pipeline_repo):  # noqa: F811
+    """`rlhf run --profile cpu-zero3` (Prefect over DVC), the profile as users run it: every model stage runs on 2
+    DeepSpeed ZeRO-3 ranks and records so in its metrics and its MLflow params; the run ends with a registered
+    version."""
+    from mlflow import MlflowClient
+
+    assert set(MODEL_METRICS) == set(MODEL_STAGES)
+    repo = with_profiles(pipeline_repo)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "profiles"], cwd=repo, check=True)
+    proc = subprocess.run([BIN / "rlhf", "run", "--profile", "cpu-zero3"], cwd=repo,
+                          env=base_env(COLUMNS="200", OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "rlhf-policy v1" in proc.stdout, proc.stdout[-3000:]
+    assert json.loads((repo / "metrics" / "register.json").read_text())["version"] == 1
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    for stage, metrics_file in MODEL_METRICS.items():
+        metrics = json.loads((repo / "metrics" / f"{metrics_file}.json").read_text())
+        assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "DEEPSPEED"), (stage, metrics)
+        [run] = client.search_runs(experiments, f"tags.`rlhf.stage` = '{stage}'")
+        params = run.data.params
+        assert (params["num_processes"], params["distributed_type"]) == ("2", "DEEPSPEED"), (stage, params)
+        assert params["runtime.accelerate_config"] == "infra/accelerate/deepspeed_zero3.yaml"
+
+
+# ------------------------------------------------------------------ README "Training on GPUs"
+
+# Every command of the section's code blocks -> the test that runs it, or its CPU stand-in (a CPU profile for the
+# GPU flags: the same launcher and accelerate config on 2 CPU processes); the LoRA ones are in tests/test_lora.py. A
+# command added to the README without a test mapped fails `test_every_launch_command_in_the_readme_is_run_by_a_test`.
+README_COMMANDS = {
+    "rlhf run --profile tldr-pythia-1b":
+        "test_pipeline.py::test_real_profile_runs_on_local_copies",
+    "rlhf run --profile tldr-pythia-1b --set runtime.num_processes=8 "
+    "--set runtime.accelerate_config=infra/accelerate/multi_gpu.yaml":
+        "test_launcher.py::test_train_stage_on_two_processes",  # cpu-ddp: DDP on torchrun/gloo
+    "rlhf run --profile tldr-pythia-1b --set runtime.num_processes=8 "
+    "--set runtime.accelerate_config=infra/accelerate/deepspeed_zero2.yaml":
+        "test_launcher.py::test_sft_and_reward_model_stages_on_two_processes",
+    "rlhf run --profile tldr-pythia-1b --set runtime.num_processes=8 "
+    "--set runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml":
+        "test_cpu_profiles.py::test_the_whole_flow_under_the_cpu_zero3_profile",
+    "rlhf run --profile cpu-ddp":
+        "test_launcher.py::test_train_stage_on_two_processes",
+    "rlhf run --profile cpu-zero3":
+        "test_cpu_profiles.py::test_the_whole_flow_under_the_cpu_zero3_profile",
+    "rlhf stage train --profile tldr-pythia-1b --set runtime.num_machines=2 --set runtime.num_processes=16 "
+    "--set runtime.accelerate_config=zero3-node0.yaml":
+        "test_launcher.py::test_an_accelerate_config_launches_with_accelerate",  # the command it builds
+}
+
+
+def readme_commands(section: str = "## Training on GPUs") -> list[str]:
+    """The `rlhf ...` lines of the section's ```bash blocks."""
+    text = (REPO / "README.md").read_text()
+    body = text[text.index(section) + len(section):]
+    body = body[:body.index("\n## ")]
+    blocks = re.findall(r"```bash\n(.*?)```", body, flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("rlhf ")]
+
+
+def test_every_launch_command_in_the_readme_is_run_by_a_test():
+    commands = readme_commands()
+    mapped = {**README_COMMANDS, **LORA_COMMANDS}
+    unknown = [c for c in commands if c not in mapped]
+    assert not unknown, f"README 'Training on GPUs' names commands no test runs (add the test, then map it): {unknown}"
+    for command, test in mapped.items():
+        assert command in commands, f"mapped but gone from the README: {command}"
+        file, name = test.split("::")
+        tree = ast.parse((TESTS / file).read_text())
+        assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, f"{test}: no such test"
+        for profile in re.findall(r"--profile (\S+)", command):
+            assert (REPO / "profiles" / f"{profile}.yaml").is_file(), profile
+        for config in re.findall(r"accelerate_config=(infra/\S+)", command):
+            assert (REPO / config).is_file(), config
+
+
+def test_the_cpu_profiles_run_every_model_stage_on_two_processes():
+    for name, engine in (("cpu-ddp", None), ("cpu-zero3", "infra/accelerate/deepspeed_zero3.yaml")):
+        runtime = yaml.safe_load((REPO / "profiles" / f"{name}.yaml").read_text())["runtime"]
+        assert runtime["num_processes"] == 2 and runtime["device"] == "cpu", name
+        assert runtime.get("accelerate_config") == engine, name
