@@ -78,6 +78,7 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     # light imports only: a stage loads torch and the model code itself when it needs them
     from tasks.common.errors import StageFailed
     from tasks.common.launcher import is_main_process, launch_command, run_launched
+    from tasks.common.model_checks import check_lora_settings
     from tasks.common.params import ParamsError, load_params
     from tasks.common.runner import check_stage_name, run_stage
 
@@ -90,6 +91,7 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
             from rlhf_core.config import BatchPlan
 
             BatchPlan.derive(params.rl_config(), runtime.num_processes)
+            check_lora_settings(params, ".")  # LoRA settings against the policy's config, before the launch
         command = launch_command(runtime, name, args)
     except (ParamsError, ValueError) as err:  # a RuntimeSettingError is a ValueError
         typer.echo(f"error: {err}", err=True)

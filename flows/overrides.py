@@ -27,6 +27,7 @@ import yaml
 
 from rlhf_core.jsonio import read_json_object, write_json
 from rlhf_core.sources import LOCAL_SUFFIXES
+from tasks.common.model_checks import check_lora_settings
 from tasks.common.params import (
     PARAMS_FILE,
     Params,
@@ -104,6 +105,7 @@ def check_run_inputs(params: Params, root: str | Path, overrides: list[str]) -> 
                    and _looks_local(value) and not (Path(root) / value).exists()]
     if errors:
         raise ParamsError("invalid parameters for this run:\n  " + "\n  ".join(errors))
+    check_lora_settings(params, root, planned=True)  # before sft and reward-model spend minutes
 
 
 def _looks_local(source: str) -> bool:

@@ -209,6 +209,37 @@ class RLConfig(_Frozen):
         return self.rloo.rloo_k if self.algo == "rloo" else 1
 
 
+class PeftOptions(_Frozen):
+    """LoRA on the policy, with the names of TRL's `ModelConfig` (`--use_peft --lora_r 16 ...`). Only the adapter
+    trains; the reference is the base model with the adapter off, so no second copy of the policy is kept."""
+
+    use_peft: bool = False
+    """Train a LoRA adapter on the policy instead of all its weights (PPO's value model stays a full model)."""
+    lora_r: int = Field(16, gt=0)
+    """LoRA rank (PEFT's `r`)."""
+    lora_alpha: int = Field(32, gt=0)
+    """LoRA scaling numerator: the update is scaled by lora_alpha / lora_r (PEFT's `lora_alpha`)."""
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Must stay 0 (TRL's default is 0.05): dropout is off in every trained model, since the rollout's and the
+    training forward's log-probs must agree (TRL's PPO disables it too)."""
+    lora_target_modules: list[str] | str | None = None
+    """Module names to adapt (PEFT's `target_modules`: names, a regex, or 'all-linear'); None: PEFT's default
+    for the architecture (GPT-NeoX: query_key_value)."""
+    lora_modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter (PEFT's `modules_to_save`), e.g. the output head."""
+    lora_task_type: Literal["CAUSAL_LM"] = "CAUSAL_LM"
+    """PEFT's `task_type`; the policy is a causal LM."""
+    use_rslora: bool = False
+    """Rank-stabilized LoRA: scale by lora_alpha / sqrt(lora_r) (PEFT's `use_rslora`)."""
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> PeftOptions:
+        if self.use_peft and self.lora_dropout > 0:
+            raise ValueError(f"lora_dropout={self.lora_dropout}: must be 0; dropout is off in every trained model "
+                             "(rollout and training log-probs must agree, as in TRL's PPO)")
+        return self
+
+
 def exact_div(a: int, b: int, what: str) -> int:
     """a / b, raising with `what` (the fields involved) when b does not divide a."""
     if b <= 0 or a % b != 0:

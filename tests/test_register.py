@@ -152,6 +152,40 @@ def test_lora_policy_is_logged_over_its_local_base(mlflow_root, make_policy, tok
         torch.testing.assert_close(pipe.model(ids).logits, policy(ids).logits)
 
 
+def test_a_trained_lora_policy_registers_its_merged_model_and_its_adapter(mlflow_root, make_policy, tokenizer,
+                                                                         monkeypatch):
+    """The train stage's LoRA layout (models/policy: merged model, models/policy/adapter/: the adapter): MLflow
+    registers the merged model, which reloads without peft or the base and generates as base + adapter does; the
+    adapter is the version's run artifact `adapter`, named by the version's tag."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from rlhf_core.lora import ADAPTER_DIR, save_lora_policy
+
+    make_policy().save_pretrained(mlflow_root / "models" / "sft")
+    config = LoraConfig(r=4, target_modules=["query_key_value"], lora_dropout=0.0, init_lora_weights=False)
+    policy = get_peft_model(make_policy(), config)  # a non-zero adapter: differs from its base
+    policy.save_pretrained(mlflow_root / "scratch-adapter")
+    save_lora_policy(mlflow_root / "scratch-adapter", make_policy(), mlflow_root / "models" / "policy", tokenizer,
+                     base_name="models/sft")
+    assert register(mlflow_root, 0.7, 1.0)["promoted"]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri(mlflow_root))
+    pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
+    assert not isinstance(pipe.model, PeftModel), "the merged model: no adapter to apply at serving time"
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.model(ids).logits, policy(ids).logits, rtol=1e-5, atol=1e-5)
+    completion = pipe("w3 w4 w5", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert completion.startswith("w3 w4 w5") and len(completion) > len("w3 w4 w5"), completion
+    client = get_client(mlflow_root)
+    version = client.get_model_version(NAME, "1")
+    assert version.tags["adapter"] == f"runs:/{version.run_id}/{ADAPTER_DIR}"
+    adapter = Path(mlflow.artifacts.download_artifacts(version.tags["adapter"], dst_path=str(mlflow_root / "dl")))
+    reloaded = PeftModel.from_pretrained(make_policy(), adapter)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, policy(ids).logits)
+
+
 @pytest.fixture
 def register_repo(policy_root):
     """A git + DVC repo whose dvc.yaml is the repo's register stage alone; policy and eval written by hand."""

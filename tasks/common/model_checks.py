@@ -74,3 +74,44 @@ def _tokenizer_of(source: str | os.PathLike):
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=False)
     except (OSError, ValueError):  # a hub id without tokenizer files
         return None
+
+
+def check_lora_settings(params, root: str | os.PathLike = ".", *, planned: bool = False) -> None:
+    """With train.use_peft, the LoRA settings fit the policy's architecture, read from its config alone (no
+    weights): ParamsError naming the key. The policy is models/sft (what train loads), or with `planned` (a run
+    about to start, before the sft stage makes it) the model the sft section names. A config that cannot be read
+    here (a hub id offline, no models/sft yet) is left to the train stage, which checks again."""
+    if not params.train.use_peft:
+        return
+    from rlhf_core.lora import LoraSettingError, check_lora
+    from tasks.common.params import ParamsError
+
+    config = _planned_policy_config(params) if planned else _config_of(Path(root) / "models" / "sft")
+    if config is None:
+        return
+    try:
+        check_lora(config, params.peft_options())
+    except LoraSettingError as err:
+        raise ParamsError(f"train.{err}") from None
+
+
+def _config_of(source: str | os.PathLike):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(source), trust_remote_code=False)
+    except (OSError, ValueError):
+        return None
+
+
+def _planned_policy_config(params):
+    """The architecture the sft stage will save: its pretrained or base model's, else the demo's tiny GPT-NeoX."""
+    source = params.sft.pretrained or params.sft.base_model
+    if source:
+        return _config_of(source)
+    from rlhf_core.models import tiny_gpt_neox_config
+
+    tiny = params.sft.tiny
+    return tiny_gpt_neox_config(vocab_size=params.prepare.tokenizer_vocab_size, hidden_size=tiny.hidden_size,
+                                num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                                intermediate_size=tiny.intermediate_size, max_positions=tiny.max_positions)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlhf_core.config import InspectionConfig, RewardConfig, RLConfig, RuntimeConfig, SFTConfig
+from rlhf_core.config import InspectionConfig, PeftOptions, RewardConfig, RLConfig, RuntimeConfig, SFTConfig
 from rlhf_core.reward_functions import import_reward_function
 from rlhf_core.world.config import WorldConfig
 
@@ -132,7 +132,9 @@ class RewardSource(_Section):
         return self.function.rpartition(":")[2] if self.function else Path(self.model).name
 
 
-class TrainParams(RLConfig):
+class TrainParams(RLConfig, PeftOptions):
+    """The RL trainer's config (RLConfig) and LoRA on the policy (PeftOptions: TRL's ModelConfig names)."""
+
     value_model_init: Literal["reward", "sft"] = "reward"
     """Initialize PPO's value model from 'reward' (TRL's choice) or 'sft' (backbone + a fresh head)."""
     trace_every: int = Field(20, ge=0)
@@ -157,6 +159,13 @@ class TrainParams(RLConfig):
             if not labels or len(set(labels)) != len(labels):
                 raise ValueError(f"train.reward_funcs: names must be distinct and at least one, got {labels} "
                                  "(set 'name' on each)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_reference(self) -> TrainParams:
+        if self.use_peft and self.sync_ref_model:  # the trainer would refuse it too, but only after the models load
+            raise ValueError("train.sync_ref_model with train.use_peft: with LoRA the reference is the base model "
+                             "with the adapter off, which cannot follow the policy; set one of them to false")
         return self
 
 
@@ -204,6 +213,10 @@ class Params(_Section):
     def rl_config(self) -> RLConfig:
         """The trainer's config: the train section without the pipeline-only fields, seeded by base.seed."""
         return RLConfig(**{**self.train.model_dump(include=set(RLConfig.model_fields)), "seed": self.base.seed})
+
+    def peft_options(self) -> PeftOptions:
+        """LoRA on the policy: the train section's TRL ModelConfig fields."""
+        return PeftOptions(**self.train.model_dump(include=set(PeftOptions.model_fields)))
 
     def sft_config(self) -> SFTConfig:
         return SFTConfig(**{**self.sft.model_dump(include=set(SFTConfig.model_fields)), "seed": self.base.seed})
@@ -299,6 +312,8 @@ def _explain(err: ValidationError, path: Path) -> str:
             close = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1)
             hint = f" (did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])!r}?)" if close else ""
             lines.append(f"  {key}: unknown key{hint}; allowed: {', '.join(allowed)}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a whole section's check
+            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

@@ -145,13 +145,16 @@ def _pip_requirements(peft: bool) -> list[str]:
 def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str) -> str:
     """Log the policy with the transformers flavor into the stage's run, register it; returns the version.
 
-    A LoRA policy (an adapter dir) is logged as a PEFT model with `base_model_path`, which mlflow needs to
-    save a PEFT model over a local base correctly (mlflow#23761: without it the model reloads with random
-    attention weights and no error)."""
+    The train stage's LoRA policy is its merged model (a plain transformers model: it reloads and serves without
+    peft or its base); its adapter (models/policy/adapter/) goes beside it as the run's artifact `adapter`. A policy
+    dir that is an adapter alone is logged as a PEFT model with `base_model_path`, which mlflow needs to save a PEFT
+    model over a local base correctly (mlflow#23761: without it the model reloads with random attention weights
+    and no error)."""
     import mlflow
     from huggingface_hub import ModelCard
 
     from rlhf_core.hub import load_tokenizer
+    from rlhf_core.lora import ADAPTER_DIR
     from rlhf_core.models import load_policy
 
     adapter = policy_dir / "adapter_config.json"
@@ -170,6 +173,11 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
             {"model": model, "tokenizer": load_tokenizer(policy_dir)}, name="policy", task="text-generation",
             pip_requirements=_pip_requirements(adapter.is_file()), registered_model_name=model_name,
             run_id=run.run_id, model_card=ModelCard(card), **extra)  # a card of our own: no hub lookup
+    merged_from = policy_dir / ADAPTER_DIR
+    if merged_from.is_dir():  # the adapter alone (kilobytes to megabytes), for users who serve base + adapter
+        run.client.log_artifacts(run.run_id, str(merged_from), ADAPTER_DIR)
+        run.client.set_model_version_tag(model_name, str(info.registered_model_version), "adapter",
+                                         f"runs:/{run.run_id}/{ADAPTER_DIR}")
     return str(info.registered_model_version)
 
 
