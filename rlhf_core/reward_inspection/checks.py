@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 from torch import Tensor, nn
@@ -121,10 +122,28 @@ class Probe:
 
     def tolerance(self, scores: Tensor) -> float:
         """Scores this close are equal: cfg's tolerance, widened to the rounding of the model's dtype (a bf16
-        model's scores move by ~1% when only the padding or the batch changes)."""
+        model's scores move by ~1-3% of their scale when only the padding or the batch changes), relative to the
+        larger of the scores and the head's natural scale: rounding moves the hidden state, so a score the head
+        happens to project near 0 moves as much as a large one (a random Pythia-1B-shaped scorer in bf16 on an
+        H200 moved by 0.016 with every score under 0.5)."""
         dtype = next(self.model.parameters()).dtype
         rtol = max(self.cfg.rtol, LOW_PRECISION_RTOL.get(dtype, 0.0))
-        return self.cfg.atol + rtol * float(scores.abs().max())
+        return self.cfg.atol + rtol * max(float(scores.abs().max()), self.head_scale)
+
+    @cached_property
+    def head_scale(self) -> float:
+        """|w| * RMS(h): the size of the score head's output for the probes' hidden states at their last real
+        token, whatever direction they point in."""
+        weight = getattr(score_head(self.model), "weight", None)
+        if not isinstance(weight, Tensor):  # a head with layers of its own: the scores' own scale only
+            return 0.0
+        batch = self.padded()
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            hidden = backbone_hidden(self.model, batch.input_ids.to(device), batch.attention_mask.to(device))
+        rows = torch.arange(len(batch.last_index), device=device)
+        last = hidden[rows, batch.last_index.to(device)].float()  # (B, H)
+        return float(weight.detach().float().norm() * last.pow(2).mean().sqrt())  # |w| (1, H) times RMS(h) (B, H)
 
     def padded(self, extra: int = 2) -> Padded:
         return path_layout(self.path, self.examples, self.pad_id, extra)
@@ -133,8 +152,11 @@ class Probe:
 def check_scored_token(probe: Probe) -> Check:
     batch = probe.padded()
     scores = probe.score(batch)
-    position, mismatch = scored_positions(scores, position_scores(probe.model, batch))
-    wrong = (position != batch.last_index) | (mismatch > probe.tolerance(scores))
+    per_position = position_scores(probe.model, batch)  # (B, T)
+    position, mismatch = scored_positions(scores, per_position)
+    # the last real token's output must match; another position matching as well is a tie within rounding
+    at_last = (per_position.gather(1, batch.last_index[:, None]).squeeze(1) - scores).abs()
+    wrong = at_last > probe.tolerance(scores)
     if not wrong.any():
         return Check("scored_token", probe.path, True, f"scores the last real token (the EOS) in all "
                      f"{len(scores)} padded probes", value=0.0)
@@ -192,7 +214,9 @@ def check_last_token_matters(probe: Probe) -> Check:
     scores = probe.score(batch)
     changed = probe.score(with_last_token_changed(batch, probe.vocab_size, probe.specials))
     moved = (changed - scores).abs() > probe.tolerance(scores)
-    ok = bool(moved.all())
+    # a model that reads an earlier token moves no score at all; a random or low-precision one can move a probe
+    # by less than rounding when one token changes: most probes must move
+    ok = bool(moved.float().mean() > 0.5)
     return Check("last_token_changes_score", probe.path, ok,
                  f"changing the last real token moved the score in {int(moved.sum())}/{len(scores)} probes",
                  explanation="" if ok else "The score ignores the last real token, so it cannot be the token "
