@@ -189,7 +189,7 @@ def test_lora_train_stage_on_two_processes_under_ddp_and_zero3(tmp_path, make_po
 @pytest.fixture
 def lora_flow_repo(tmp_path, mlflow_db_template):
     """The repo's pipeline, profiles and launch configs in a fresh git + DVC repo, with an MLflow store ready."""
-    from test_flow import git_dvc_repo
+    from test_flow import free_port, git_dvc_repo
 
     for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "params.yaml"):
         shutil.copy(REPO / item, tmp_path / item)
@@ -202,6 +202,9 @@ def lora_flow_repo(tmp_path, mlflow_db_template):
     for item in TINY:
         shrunk = deep_merge(shrunk, parse_override(item))
     profile.write_text(yaml.safe_dump(shrunk, sort_keys=False))
+    # a free rendezvous port: another launch on this machine (a second test session) would meet this one on 29500
+    config = tmp_path / shrunk["runtime"]["accelerate_config"]
+    config.write_text(config.read_text().replace("main_process_port: 29500", f"main_process_port: {free_port()}"))
     shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
     return git_dvc_repo(tmp_path)
 
