@@ -10,6 +10,8 @@
 #   vs_trl     ours against TRL 1.9.0 side by side: PPO and RLOO, one pair, 3 steady updates (bench/vs_trl.py)
 #   gpu_tests  the gpu-marked tests: PPO/RLOO full and LoRA in bf16 at lr 0, DeepSpeed ZeRO-2/3 one-process launches
 #   pipeline   every stage (`rlhf stage`) of tldr-pythia-1b on local random-weight models and generated data
+# A rerun of some parts only (a second, shorter call): GPU_CHECK_PARTS="vs_trl gpu_tests", GPU_CHECK_ALGOS="rloo"
+# (vs_trl), GPU_CHECK_TESTS="deepspeed and rloo" (pytest -k), GPU_CHECK_LIMITS="env=20 vs_trl=100 gpu_tests=150".
 # After every part $OUT/gpu_check.json and $OUT/gpu_check.md are rewritten (bench/gpu_report.py), so a call cut
 # short still returns what finished; $OUT/gpu_check.log holds each part's output.
 set -uo pipefail
@@ -37,6 +39,7 @@ else
   VS_TRL=(--device cuda --shapes pythia-1b --updates 4)
   PIPELINE=(--shapes pythia-1b --updates 2 --rows 400)
 fi
+[[ -n ${GPU_CHECK_LIMITS:-} ]] && read -ra LIMITS <<<"$GPU_CHECK_LIMITS"  # e.g. "env=20 vs_trl=100 gpu_tests=150"
 limit() { local kv; for kv in "${LIMITS[@]}"; do [[ ${kv%%=*} == "$1" ]] && echo "${kv#*=}"; done; }
 
 # the wheels are for the GPU machine's Python: a dry run uses this machine's environment as it is
@@ -49,8 +52,10 @@ if [[ -n "$WHEELS" ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
+PARTS=" ${GPU_CHECK_PARTS:-vs_trl gpu_tests pipeline} "
 part() {  # part NAME COMMAND...: run it under its limit, log it, record exit and seconds, refresh the report
   local name=$1 start rc; shift
+  [[ $name == env || $PARTS == *" $name "* ]] || return 0
   start=$(date +%s%N)
   echo "== $name (limit $(limit "$name") s): $*" | tee -a "$OUT/gpu_check.log"
   timeout --kill-after=15 "$(limit "$name")" "$@" >>"$OUT/gpu_check.log" 2>&1
@@ -62,9 +67,10 @@ part() {  # part NAME COMMAND...: run it under its limit, log it, record exit an
 }
 
 part env "$PY" bench/gpu_report.py --environment "$WORK/environment.json"
-part vs_trl "$PY" bench/vs_trl.py "${VS_TRL[@]}" --pairs 1 --trl-python "$PY" --trl-pythonpath "$PYTHONPATH" \
+part vs_trl "$PY" bench/vs_trl.py "${VS_TRL[@]}" --algos ${GPU_CHECK_ALGOS:-ppo rloo} --pairs 1 --trl-python "$PY" --trl-pythonpath "$PYTHONPATH" \
   --json "$WORK/vs_trl.json"
-part gpu_tests "$PY" -m pytest -m gpu tests/test_gpu.py -v -s -p no:cacheprovider --junitxml="$WORK/gpu_tests.xml"
+part gpu_tests "$PY" -m pytest -m gpu tests/test_gpu.py -k "${GPU_CHECK_TESTS:-}" -v -s -p no:cacheprovider \
+  --junitxml="$WORK/gpu_tests.xml"
 part pipeline "$PY" bench/gpu_pipeline.py "$WORK/pipeline" "${PIPELINE[@]}" --timeout "$(( $(limit pipeline) - 10 ))" \
   --json "$WORK/pipeline.json"
 

@@ -65,7 +65,10 @@ def write_workload(spec: dict, target: Path) -> None:
 
     config = tiny_gpt_neox_config(**spec["model"])
     tokenizer = word_tokenizer(spec["model"]["vocab_size"])
-    for name, model in (("policy", init_causal_lm(config, seed=0)), ("scorer", init_sequence_scorer(config, seed=1))):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random init of a 1B model: ~10 s on the CPU
+    for name, init, seed in (("policy", init_causal_lm, 0), ("scorer", init_sequence_scorer, 1)):
+        with torch.device(device):
+            model = init(config, seed=seed)
         model.save_pretrained(target / name, safe_serialization=True)
         tokenizer.save_pretrained(target / name)
         del model

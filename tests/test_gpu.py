@@ -60,14 +60,17 @@ def test_pythia_1b_shapes_train_in_bf16(algo, lora):
     runtime = Runtime(RuntimeConfig(device="cuda" if CUDA else "cpu", mixed_precision="bf16",
                                     gradient_checkpointing=True), gradient_accumulation_steps=4)
     config = tiny_gpt_neox_config(**shapes["model"])
-    policy = runtime.trainable(init_causal_lm(config, seed=0))
+    with torch.device(runtime.device):  # random init on the GPU: seconds, where the CPU takes ~10 s per 1B model
+        policy, reference, reward, value = (init_causal_lm(config, seed=0), init_causal_lm(config, seed=0),
+                                            init_sequence_scorer(config, seed=1), init_sequence_scorer(config, seed=1))
+    policy = runtime.trainable(policy)
     if lora:
         from peft import LoraConfig, get_peft_model
 
         policy = get_peft_model(policy, LoraConfig(r=16, lora_alpha=32, target_modules=["query_key_value"]))
-    reference = None if lora else runtime.frozen(init_causal_lm(config, seed=0))
-    reward = runtime.frozen(init_sequence_scorer(config, seed=1))
-    value = runtime.trainable(init_sequence_scorer(config, seed=1)) if algo == "ppo" else None
+    reference = None if lora else runtime.frozen(reference)
+    reward = runtime.frozen(reward)
+    value = runtime.trainable(value) if algo == "ppo" else None
     updates = 3
     cfg = RLConfig(algo=algo, total_episodes=64 * updates, per_device_train_batch_size=16,
                    gradient_accumulation_steps=4, num_epochs=4 if algo == "ppo" else 1,

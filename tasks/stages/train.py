@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json, write_jsonl
+from rlhf_core.lora import save_lora_policy, with_lora
 from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_policy
 from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
 from rlhf_core.runtime import Runtime
@@ -32,7 +33,7 @@ from tasks.common.datasets import read_split
 from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
 from tasks.common.guards import NonFiniteGuard
-from tasks.common.model_checks import check_reward_model, check_tokenizers
+from tasks.common.model_checks import check_lora_settings, check_reward_model, check_tokenizers
 from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.progress import ProgressTracker, progress_bar
@@ -124,25 +125,44 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     """
     cfg = params.rl_config()
     runtime = runtime or Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
-    load = runtime.load_kwargs
+    load, lora = runtime.load_kwargs, params.train.use_peft
     tokenizer = load_tokenizer(paths.sft_model)
-    policy = runtime.trainable(load_policy(paths.sft_model, **load))
+    policy = load_policy(paths.sft_model, **load)
     scorer = build_scorer(params, paths, runtime, tokenizer)
     value = None
-    if cfg.algo == "ppo":
+    if cfg.algo == "ppo":  # a full model, with or without LoRA on the policy (as TRL's PPO)
         value = load_scorer_model(paths.reward_model, **load) if params.train.value_model_init == "reward" \
             else reward_model_from_policy(policy, seed=params.base.seed)
         value = runtime.trainable(value)
+    policy = runtime.trainable(with_lora(policy, params.peft_options(), seed=params.base.seed) if lora else policy)
     texts = [r["prompt"] for r in read_split(paths, "prompts_train", tokenizer, params)]
     max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     gold = gold_fn(params)  # the demo world's true reward, logged as monitor/gold beside the proxy's score
     trainer = RLTrainer(cfg, policy, scorer, prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        ref_policy=runtime.load_frozen(load_policy, paths.sft_model),
+                        # LoRA: no copy; the reference is the policy with its adapter off
+                        ref_policy=None if lora else runtime.load_frozen(load_policy, paths.sft_model),
                         accelerator=runtime.accelerator,
                         monitors={"gold": GoldScorer(gold, tokenizer)} if gold is not None else None, **hooks)
     return trainer, tokenizer
+
+
+def _save_policy(trainer: RLTrainer, runtime: Runtime, params: Params, paths: Paths, tokenizer, main: bool) -> None:
+    """models/policy: the trained policy; with LoRA the base with the adapter merged in (what evaluate loads and
+    register logs) and the adapter alone in models/policy/adapter/. Every rank joins (sharded weights are gathered)."""
+    if not params.train.use_peft:
+        trainer.save_pretrained(paths.policy, tokenizer)
+        return
+    adapter = paths.checkpoints / "adapter"  # scratch: the adapter as PEFT saves it, before the merge
+    trainer.save_pretrained(adapter)
+    if main:  # the main process alone merges, on the CPU: under ZeRO-3 the base must load whole (no collective)
+        with runtime._unpartitioned_loading():
+            base = load_policy(paths.sft_model)
+            # the adapter names its base relative to the workspace: the same bytes in every clone
+            save_lora_policy(adapter, base, paths.policy, tokenizer,
+                             base_name=paths.sft_model.relative_to(paths.root).as_posix())
+        shutil.rmtree(adapter)
 
 
 def reward_models(params: Params, paths: Paths) -> list[str]:
@@ -172,6 +192,7 @@ def run(params: Params, paths: Paths) -> dict:
     for model in reward_models(params, paths):  # before a checkpoint is kept or discarded, before models load
         check_reward_model(model)
         check_tokenizers(paths.sft_model, model)
+    check_lora_settings(params, paths.root)
     cfg = params.rl_config()
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     acc, main = runtime.accelerator, runtime.accelerator.is_main_process
@@ -179,6 +200,8 @@ def run(params: Params, paths: Paths) -> dict:
     inputs = {**cfg.model_dump(mode="json"), "runtime": params.runtime.model_dump(mode="json")}
     if params.train.reward_funcs is not None:  # other reward sources: a checkpoint made with others is not resumed
         inputs["reward_sources"] = params.train.model_dump(mode="json", include={"reward_funcs", "reward_weights"})
+    if params.train.use_peft:  # an adapter's checkpoint holds other parameters than a full model's
+        inputs["lora"] = params.peft_options().model_dump(mode="json")
     fingerprint = _fingerprint(paths, inputs)
     checkpoint = _resumable(paths, fingerprint, main) if main else None
     acc.wait_for_everyone()
@@ -202,13 +225,12 @@ def run(params: Params, paths: Paths) -> dict:
         trainer.tracker = NonFiniteGuard(ProgressTracker(trainer.tracker, update, total),  # bar moves every update
                                          paths.checkpoints, lambda: next(reversed(list_checkpoints(paths.checkpoints)), None))
         trainer.train()
-    trainer.save_pretrained(paths.policy, tokenizer)  # every rank joins (sharded weights are gathered)
+    _save_policy(trainer, runtime, params, paths, tokenizer, main)
     if not main:
         return {}
     history = read_jsonl(history_file) if history_file.is_file() else []  # the whole run's, resumed or not
     _write_history(paths.train_history, [results(row) for row in history])
     last = history[-1] if history else {}
-    metrics = {**last, "resumed_from_update": resumed, "num_processes": acc.num_processes,
-               "distributed_type": str(acc.distributed_type.value), "mixed_precision": acc.mixed_precision}
+    metrics = {**last, "resumed_from_update": resumed, **runtime.layout, "mixed_precision": acc.mixed_precision}
     write_json(paths.metrics_file("train"), results(metrics))  # timings and the resume point: reports/execution/
     return metrics
