@@ -30,6 +30,7 @@ from rlhf_core.sources import LOCAL_SUFFIXES
 from tasks.common.model_checks import check_lora_settings
 from tasks.common.params import (
     PARAMS_FILE,
+    PROFILES_DIR,
     Params,
     ParamsError,
     deep_merge,
@@ -122,6 +123,11 @@ def planned_changes(root: str | Path, profile: str, overrides: list[str]) -> lis
     for item in overrides:
         wanted = deep_merge(wanted, parse_override(item))
     settings = {**flatten(wanted), "base.profile": profile}
+    # the stages apply the profile over params.yaml: name the overridden keys it sets, so they keep the run's value
+    profile_keys = set(flatten(yaml.safe_load((Path(root) / PROFILES_DIR / f"{profile}.yaml").read_text()) or {})
+                       ) if profile != "demo" else set()
+    if outranked := sorted(key for key in flatten(wanted) if key in profile_keys):
+        settings["base.run_overrides"] = outranked
     current = yaml.safe_load((Path(root) / PARAMS_FILE).read_text()) or {}
     return [(key, _get(current, key), value) for key, value in settings.items() if _get(current, key) != value]
 

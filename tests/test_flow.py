@@ -40,7 +40,7 @@ from flows.overrides import (
     restore_after_killed_run,
 )
 from tasks.common.dvc_yaml import stage_names
-from tasks.common.params import ParamsError, deep_merge, parse_override
+from tasks.common.params import ParamsError, deep_merge, load_params, parse_override
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -326,6 +326,22 @@ def test_planned_changes_validate_and_list_the_changes(failing_repo):
         planned_changes(failing_repo, "demo", ["train.kl_coeff=1"])
     assert planned_changes(failing_repo, "demo", ["train.kl_coef=0.2", "base.seed=0"]) == [
         ("train.kl_coef", None, 0.2)]
+
+
+def test_a_runs_override_outranks_its_profile_in_every_stage(workspace):
+    """`rlhf run --profile P --set k=v` writes k=v into params.yaml for the run, and a stage applies P over
+    params.yaml: for a key P sets too, the run's value must still be what the stage reads."""
+    import shutil
+
+    shutil.copytree(REPO / "profiles", workspace / "profiles")
+    overrides = ["prepare.world.sft_train=96", "runtime.num_processes=1", "train.kl_coef=0.3"]
+    intended = load_params(workspace, "cpu-zero3", overrides)
+    with overrides_applied(workspace, "cpu-zero3", overrides) as changes:
+        seen = load_params(workspace)  # what `rlhf stage NAME` reads during the run
+        assert ("base.run_overrides", None, ["prepare.world.sft_train", "runtime.num_processes"]) in changes
+    assert seen.prepare.world.sft_train == 96 and seen.runtime.num_processes == 1 and seen.train.kl_coef == 0.3
+    assert seen.model_dump(exclude={"base"}) == intended.model_dump(exclude={"base"})
+    assert load_params(workspace).base.run_overrides == [], "restored after the run"
 
 
 def test_overrides_are_restored_even_when_the_run_fails(failing_repo):

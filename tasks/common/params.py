@@ -37,6 +37,10 @@ class BaseParams(_Section):
     """Profile whose `profiles/<name>.yaml` overrides sections of params.yaml ('demo': none)."""
     seed: int = 0
     """Seeds every stage; each stage derives its own seed from it."""
+    run_overrides: list[str] = Field(default_factory=list)
+    """Written by `rlhf run` for one run only: the dotted keys of its `--set` overrides that the profile also sets.
+    The stages read params.yaml, then the profile: these keys keep params.yaml's value, so the run's override is
+    not silently replaced by the profile's."""
 
 
 class PrepareParams(_Section):
@@ -266,11 +270,24 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
+def _dotted(data: dict, key: str):
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _nested(key: str, value) -> dict:
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
 def load_params(root: str | Path = ".", profile: str | None = None, overrides: list[str] = ()) -> Params:
     """params.yaml, then profiles/<profile>.yaml, then overrides; validated once, frozen."""
     root = Path(root)
     path = root / PARAMS_FILE
     raw = _read_yaml(path) if path.is_file() else {}
+    params_yaml = copy.deepcopy(raw)
     override = {}
     for item in overrides:
         override = deep_merge(override, parse_override(item))
@@ -281,6 +298,8 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
             known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
             raise ParamsError(f"unknown profile {profile!r}: {profile_path} does not exist; known: {['demo', *known]}")
         raw = deep_merge(raw, _read_yaml(profile_path))
+        for key in raw.get("base", {}).get("run_overrides") or []:  # a run's overrides outrank its profile
+            raw = deep_merge(raw, _nested(key, _dotted(params_yaml, key)))
     raw = deep_merge(raw, override)
     raw.setdefault("base", {})["profile"] = profile
     for section in ("sft", "reward_model", "train"):
