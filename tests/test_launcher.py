@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,13 @@ def test_an_accelerate_config_launches_with_accelerate(monkeypatch, tmp_path):
     assert command[command.index("--config_file") + 1] == str(config)
     assert command[command.index("--mixed_precision") + 1] == "bf16", "params decide the precision"
     assert command[-4:] == ["--no_python", RLHF, "stage", "sft"]
+    # one machine: a free rendezvous port, not the config's 29500 that another launch here may hold
+    port = int(command[command.index("--main_process_port") + 1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+    several = launch_command(RuntimeConfig(device="cpu", num_processes=4, num_machines=2, accelerate_config=str(config)),
+                             "sft", [])
+    assert "--main_process_port" not in several, "several machines meet at the port their config names"
 
 
 def test_what_runs_in_this_process(monkeypatch, tmp_path):

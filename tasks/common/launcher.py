@@ -54,8 +54,19 @@ def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) ->
               "--num_machines", str(runtime.num_machines)]
     if runtime.accelerate_config is not None:
         launch += ["--config_file", runtime.accelerate_config]
+    if runtime.num_machines == 1:  # the configs' fixed 29500 would meet another launch on this machine
+        launch += ["--main_process_port", str(_free_port())]
     launch += ["--mixed_precision", runtime.mixed_precision]  # params are the truth, over the config file
     return [*launch, "--no_python", *command]
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now, for a one-machine launch's rendezvous (as torchrun --standalone picks)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_launched(command: list[str], runtime: RuntimeConfig) -> int:
