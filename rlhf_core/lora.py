@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from rlhf_core.config import PeftOptions
+from rlhf_core.hub import save_tokenizer
 from rlhf_core.jsonio import atomic_path
 
 ADAPTER_DIR = "adapter"
@@ -89,7 +90,7 @@ def save_lora_policy(adapter_dir: str | os.PathLike, base: PreTrainedModel, targ
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     with atomic_path(target, directory=True) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         (tmp / ADAPTER_DIR).mkdir()
         for name in ADAPTER_FILES:
             shutil.copy(Path(adapter_dir) / name, tmp / ADAPTER_DIR / name)

@@ -19,7 +19,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rlhf_core.hub import resolve_source
+from rlhf_core.hub import resolve_source, save_tokenizer
 from rlhf_core.jsonio import atomic_path
 
 
@@ -74,7 +74,7 @@ def save_model(model, tokenizer, target: str | os.PathLike) -> None:
     """Model (safetensors) + tokenizer, written atomically."""
     with atomic_path(target, directory=True) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
 
 
 def _load(loader, name_or_path, **kwargs) -> PreTrainedModel:

@@ -29,6 +29,7 @@ from rlhf_core import ops, ppo, rloo
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler, mini_batch_indices
+from rlhf_core.hub import save_tokenizer
 from rlhf_core.jsonio import atomic_path, read_json
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import disable_dropout
@@ -425,7 +426,7 @@ class RLTrainer:
             with atomic_path(target, directory=True) as tmp:
                 module.save_pretrained(tmp, state_dict=own, safe_serialization=True)
                 if extra is not None:
-                    extra.save_pretrained(tmp)
+                    save_tokenizer(extra, tmp)
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from rlhf_core.hub import load_tokenizer
+from rlhf_core.hub import load_tokenizer, save_tokenizer
 from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.sources import SourceError, load_rows
 
@@ -37,6 +38,32 @@ def test_models_load_from_local_copies(saved_models, make_policy, make_scorer_mo
     assert reward.config.num_labels == 1 and reward.score.weight.shape == (1, 32)
     tokenizer = load_tokenizer(policy_dir)
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+
+
+def test_a_saved_tokenizer_does_not_record_how_it_was_loaded(tmp_path, tokenizer):
+    """transformers writes from_pretrained's options (local_files_only, which HF_HUB_OFFLINE sets; is_local) back
+    into tokenizer_config.json: the same training wrote other bytes, and another dvc.lock, in and outside `make`.
+    Each load here runs in its own process, as a stage does, with the hub offline (as `make` sets it) or not."""
+    import os
+    import subprocess
+    import sys
+
+    save_tokenizer(tokenizer, tmp_path / "source")
+    script = ("import sys; from transformers import AutoTokenizer; from rlhf_core.hub import save_tokenizer; "
+              "t = AutoTokenizer.from_pretrained(sys.argv[1]); t.save_pretrained(sys.argv[2] + '-plain'); "
+              "save_tokenizer(t, sys.argv[2])")
+    saved = {}
+    for offline in ("1", "0"):
+        env = {**os.environ, "HF_HUB_OFFLINE": offline, "TRANSFORMERS_OFFLINE": offline}
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / "source"), str(tmp_path / offline)], env=env,
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+        saved[offline] = {f.name: f.read_bytes() for f in (tmp_path / offline).iterdir()}
+    plain = [(tmp_path / f"{o}-plain" / "tokenizer_config.json").read_text() for o in ("1", "0")]
+    assert plain[0] != plain[1], "what save_pretrained alone writes differs"
+    assert saved["1"] == saved["0"], "the same bytes however the tokenizer was loaded"
+    config = json.loads(saved["1"]["tokenizer_config.json"])
+    assert not {"local_files_only", "is_local"} & set(config) and config["pad_token"] == tokenizer.pad_token
+    assert load_tokenizer(tmp_path / "1").get_vocab() == tokenizer.get_vocab()
 
 
 def test_pickle_weights_are_refused(tmp_path, make_policy):

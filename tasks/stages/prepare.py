@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_core import chat
-from rlhf_core.hub import load_tokenizer
+from rlhf_core.hub import load_tokenizer, save_tokenizer
 from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.sources import load_rows
 from rlhf_core.world.generator import build_world
@@ -132,6 +132,6 @@ def run(params: Params, paths: Paths) -> dict:
             raise ValueError(f"prepare: split {name} is empty after filtering ({report[name]})")
         write_jsonl(paths.split(name), kept)
     with atomic_path(paths.tokenizer, directory=True) as tmp:
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     write_json(paths.metrics_file("prepare"), report)
     return report
