@@ -309,7 +309,7 @@ def test_a_signal_ends_the_wait_for_the_lock(tmp_path):
         with pytest.raises(LockWaitStopped, match="stopped by SIGINT while waiting"):
             with workspace_lock(tmp_path, wait_s=600, stop=lambda: "SIGINT"):
                 pass
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 120, "the signal ended the 600 s wait"  # generous: a busy machine
 
 
 def test_repro_stage_skips_unchanged_and_keeps_the_log(failing_repo):
