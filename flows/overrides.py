@@ -31,6 +31,7 @@ from tasks.common.model_checks import check_lora_settings
 from tasks.common.params import (
     PARAMS_FILE,
     PROFILES_DIR,
+    RUN_PARAMS_NOTE,
     Params,
     ParamsError,
     deep_merge,
@@ -40,7 +41,7 @@ from tasks.common.params import (
 )
 
 RUNS_DIR = "reports/runs"
-RESTORE_NOTE = ".dvc/tmp/rlhf-params-restore.json"  # {"original": text, "written": text} while a run has them
+RESTORE_NOTE = RUN_PARAMS_NOTE  # {"original": text, "written": text} while a run has them
 SOURCE_ONLY = ("prepare.sft", "prepare.preferences", "prepare.prompts", "prepare.eval_fraction")  # not the world's
 
 

@@ -365,6 +365,27 @@ def test_a_killed_run_leaves_a_note_the_next_run_restores_from(failing_repo):
     assert path.read_text() == before and restore_after_killed_run(failing_repo) is None
 
 
+def test_git_dirty_ignores_the_runs_own_params_edit(failing_repo):
+    """rlhf.git_dirty is about the code and inputs: an override run's own edit of params.yaml does not count,
+    a user's edit (of params.yaml or anything else tracked) does, during the run too."""
+    from tasks.common.lineage import lineage_tags
+
+    def dirty() -> str:
+        return lineage_tags(failing_repo, "demo")["rlhf.git_dirty"]
+
+    assert dirty() == "false"
+    with overrides_applied(failing_repo, "demo", ["base.seed=7"]) as changes:
+        assert changes and dirty() == "false", "the run's own overrides"
+        (failing_repo / "dvc.yaml").write_text((failing_repo / "dvc.yaml").read_text() + "# edited\n")
+        assert dirty() == "true", "another tracked file changed"
+    sh("git", "checkout", "dvc.yaml", cwd=failing_repo)
+    path = failing_repo / "params.yaml"
+    path.write_text(path.read_text().replace("seed: 0", "seed: 5"))  # the user's own edit, kept by the run
+    with overrides_applied(failing_repo, "demo", ["base.seed=7"]):
+        assert dirty() == "true", "params.yaml held more than the run's overrides"
+    assert dirty() == "true"
+
+
 def test_overrides_edit_only_their_own_lines(tmp_path):
     """The repo's params.yaml: comments, quotes, nulls and long flow mappings stay as written (DVC's writer
     rewrapped `sft.tiny` and unquoted "no", which PyYAML then reads as False)."""

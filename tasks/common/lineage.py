@@ -7,7 +7,9 @@ import hashlib
 import subprocess
 from pathlib import Path
 
+from rlhf_core.jsonio import read_json_object
 from tasks.common.dvc_yaml import entry_paths, stage_entry
+from tasks.common.params import PARAMS_FILE, RUN_PARAMS_NOTE
 
 
 def file_md5(path: Path) -> str:
@@ -23,21 +25,39 @@ def file_md5(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _git(root: Path, *args: str) -> str | None:
+def _git_raw(root: Path, *args: str) -> str | None:
     try:
         proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _git(root: Path, *args: str) -> str | None:
+    out = _git_raw(root, *args)
+    return None if out is None else out.strip()
+
+
+def _run_own_params_edit(root: Path) -> bool:
+    """Whether params.yaml differs from git HEAD only by what `rlhf run` wrote into it for this run (its
+    profile and overrides, recorded in the run's note): the committed file plus the run's parameters."""
+    note = read_json_object(root / RUN_PARAMS_NOTE)
+    if not note or not (root / PARAMS_FILE).is_file():
+        return False
+    committed = _git_raw(root, "show", f"HEAD:{PARAMS_FILE}")
+    return committed == note.get("original") and (root / PARAMS_FILE).read_text() == note.get("written")
 
 
 def lineage_tags(root: str | Path, profile: str) -> dict[str, str]:
     """Git commit and dirty flag of the code, the profile, and the md5 of dvc.lock."""
     root = Path(root).resolve()
     commit = _git(root, "rev-parse", "HEAD")
-    # dvc.lock and metrics/ change as a consequence of running; anything else uncommitted changes what runs
-    status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock",
-                  ":(exclude)metrics")
+    # dvc.lock and metrics/ change as a consequence of running, and params.yaml by a run's own overrides (they
+    # are in the run's params and tags); anything else uncommitted changes what runs
+    excluded = [":(exclude)dvc.lock", ":(exclude)metrics"]
+    if _run_own_params_edit(root):
+        excluded.append(f":(exclude){PARAMS_FILE}")
+    status = _git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *excluded)
     tags = {"rlhf.profile": profile, "rlhf.git_commit": commit or "unknown",
             "rlhf.git_dirty": "unknown" if status is None else str(bool(status)).lower()}
     if commit:

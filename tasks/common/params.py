@@ -22,6 +22,9 @@ from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
 PROFILES_DIR = "profiles"
+# While `rlhf run` has written its profile and overrides into params.yaml: {"original": text, "written": text}
+# (flows/overrides.py); lineage reads it to tell the run's own edit from the user's.
+RUN_PARAMS_NOTE = ".dvc/tmp/rlhf-params-restore.json"
 
 
 class ParamsError(ValueError):
