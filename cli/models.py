@@ -82,53 +82,71 @@ def _overrides(version) -> str:
 
 
 def _gate(version) -> str:
-    """The gate's decision at registration, and a later manual promotion (the aliases say what holds now)."""
-    decision = version.tags.get("decision", "-")
-    by = version.tags.get("promoted_by")
-    return f"{decision}; promoted by {by}" if by and by != "register stage" else decision
+    """The gate's decision at registration, and the last promotion by hand (the aliases say what holds now)."""
+    from tasks.common.registry import DECISION_TAG, last_promotion, tag
+
+    decision = tag(version, DECISION_TAG, "-")
+    last = last_promotion(version)
+    if last and last.get("by") != "register stage":
+        return f"{decision}; promoted by {last['by']}" + (" (forced)" if last.get("overrides") else "")
+    return decision
 
 
 def _champion_before(version) -> str:
-    before = version.tags.get("champion_before")
+    from tasks.common.registry import BEFORE_TAG
+
+    if BEFORE_TAG in version.tags:
+        return version.tags[BEFORE_TAG]
+    before = version.tags.get("champion_before")  # a version registered before the gate.* tags
     if before in (None, "none"):
         return "-" if before is None else "none"
     return (f"v{before} ({_fmt(version.tags.get('champion_primary'))} at KL "
             f"{_fmt(version.tags.get('champion_mean_kl'))})")
 
 
-# rows of `compare` after the metrics: the gate's settings and decision, as tags of the version
-GATE_ROWS = (("primary metric", "primary_metric"), ("KL budget (max_kl)", "max_kl"),
-             ("tie margin", "tie_margin"), ("min primary", "min_primary"))
+def _console():
+    """A console as wide as the terminal (COLUMNS where set; 80 when the output is not a terminal)."""
+    from rich.console import Console
+
+    return Console()
 
 
 @app.command("list")
 def list_versions(name: Name = None) -> None:
-    """Versions, newest first: aliases, the gate's decision and the figures behind it, the overrides, when."""
-    from rich.console import Console
+    """Versions, newest first: aliases, the gate's decision, its figures and reason, the overrides, when."""
+    from rich import box
     from rich.table import Table
+
+    from tasks.common.registry import KL_TAG, METRIC_TAG, PRIMARY_TAG, REASON_TAG, tag
 
     client, name = _client(), _model_name(name)
     versions, aliases = _versions(client, name), _aliases(client, name)
-    table = Table(title=f"{name} · {_uri()}")
-    for column in ("version", "aliases", "gate at registration", "primary metric", "value", "mean_kl", "max_kl",
-                   "vs champion", "overrides", "created"):
-        table.add_column(column)
+    metrics = {tag(v, METRIC_TAG) or "-" for v in versions}
+    one_metric = metrics.pop() if len(metrics) == 1 else None  # else each value names its metric
+    table = Table(title=f"{name} · {_uri()}" + (f" · primary metric: {one_metric}" if one_metric else ""),
+                  box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+    # cells wrap to the terminal's width (nothing is cut off); the figures keep one line, and the columns beside
+    # the reason are capped so that the reason gets the room
+    for column, cap in (("version", None), ("aliases", 20), ("gate", 30), ("primary", None), ("mean_kl", None),
+                        ("reason", None), ("overrides", 24), ("created", None)):
+        table.add_column(column, overflow="fold", max_width=cap,
+                         no_wrap=column in ("version", "primary", "mean_kl", "created"))
     for v in versions:
-        metric = v.tags.get("primary_metric", "")
-        created = datetime.fromtimestamp(v.creation_timestamp / 1000).strftime("%Y-%m-%d %H:%M")
-        version = str(v.version)
+        created = datetime.fromtimestamp(v.creation_timestamp / 1000).strftime("%m-%d %H:%M")
+        version, primary = str(v.version), _fmt(tag(v, PRIMARY_TAG))
         table.add_row(version, ", ".join(sorted(aliases.get(version, []))) or "-", _gate(v),
-                      metric or "-", _fmt(v.tags.get(f"eval.{metric}")), _fmt(v.tags.get("eval.mean_kl")),
-                      _fmt(v.tags.get("max_kl")), _champion_before(v), _overrides(v), created)
-    Console(width=200).print(table)
+                      primary if one_metric else f"{tag(v, METRIC_TAG) or '-'} {primary}", _fmt(tag(v, KL_TAG)),
+                      tag(v, REASON_TAG) or "-", _overrides(v), created)
+    _console().print(table)
 
 
 @app.command()
 def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions to compare [default: all]")] = None,
             name: Name = None) -> None:
     """Evaluation metrics, the gate's figures and decision, and the overrides of versions side by side."""
-    from rich.console import Console
     from rich.table import Table
+
+    from tasks.common.registry import METRIC_TAG, REASON_TAG, eval_figures, tag
 
     client, name = _client(), _model_name(name)
     found, aliases = _versions(client, name), _aliases(client, name)
@@ -140,7 +158,8 @@ def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions 
             raise typer.Exit(2)
         found = [v for v in found if str(v.version) in versions]
     found = sorted(found, key=lambda v: int(v.version))
-    metrics = sorted({k.removeprefix("eval.") for v in found for k in v.tags if k.startswith("eval.")},
+    figures = [eval_figures(client, v) for v in found]
+    metrics = sorted({k for f in figures for k in f},
                      key=lambda k: (k not in HEADLINE, HEADLINE.index(k) if k in HEADLINE else 0, k))
     table = Table(title=f"{name}: evaluation of each version (metrics/eval.json at registration) and its gate")
     table.add_column("metric")
@@ -148,29 +167,55 @@ def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions 
         table.add_column(f"v{v.version} " + " ".join(f"@{a}" for a in sorted(aliases.get(str(v.version), []))),
                          justify="right")
     for metric in metrics:
-        table.add_row(metric, *[_fmt(v.tags.get(f"eval.{metric}")) for v in found])
+        table.add_row(metric, *[_fmt(None if metric not in f else str(f[metric])) for f in figures])
     table.add_section()
-    for label, tag in GATE_ROWS:
-        table.add_row(label, *[_fmt(v.tags.get(tag)) for v in found])
+    table.add_row("primary metric", *[tag(v, METRIC_TAG) or "-" for v in found])
+    table.add_row("gate settings", *[_settings(v) for v in found])
     table.add_row("champion before", *[_champion_before(v) for v in found])
     table.add_row("decision", *[_gate(v) for v in found])
-    table.add_row("reason", *[v.tags.get("reason", "-") for v in found])
+    table.add_row("reason", *[tag(v, REASON_TAG) or "-" for v in found])
     table.add_row("overrides", *[_overrides(v) for v in found])
-    Console(width=200).print(table)
+    _console().print(table)
+
+
+def _settings(version) -> str:
+    from tasks.common.registry import SETTINGS_TAG
+
+    if SETTINGS_TAG in version.tags:
+        return version.tags[SETTINGS_TAG]
+    return " ".join(f"{k}={_fmt(version.tags[k])}" for k in ("max_kl", "min_primary", "tie_margin")
+                    if k in version.tags) or "-"
 
 
 @app.command("promote")
 def promote_version(version: Annotated[str, typer.Argument(help="The version to make champion")],
                     name: Name = None,
-                    reason: Annotated[str, typer.Option(help="Why, recorded on the version")] = "promoted by hand",
+                    reason: Annotated[str | None, typer.Option(help="Why, recorded in the version's champion "
+                                                                    "history (required with --force)")] = None,
+                    force: Annotated[bool, typer.Option("--force", help="Promote a version the gate rejected at "
+                                                                        "registration (needs --reason)")] = False,
                     ) -> None:
-    """Move the champion alias to VERSION, recording who promoted it, when and why."""
+    """Move the champion alias to VERSION, recording who promoted it, when and why (the history is kept).
+
+    A version the gate rejected at registration is promoted only with --force and a --reason."""
+    from tasks.common.registry import CHAMPION, DECISION_TAG, REASON_TAG, tag
     from tasks.stages.register import current_user, promote
 
     client, name = _client(), _model_name(name)
-    known = {str(v.version) for v in _versions(client, name)}
-    if version not in known:
-        typer.echo(f"error: {name} has no version {version}; versions: {', '.join(sorted(known, key=int))}", err=True)
+    found = {str(v.version): v for v in _versions(client, name)}
+    if version not in found:
+        typer.echo(f"error: {name} has no version {version}; versions: {', '.join(sorted(found, key=int))}", err=True)
         raise typer.Exit(2)
-    former = promote(client, name, version, by=current_user(), reason=reason)
+    chosen = found[version]
+    decision = tag(chosen, DECISION_TAG)
+    overrides = None
+    if decision not in (None, CHAMPION):
+        overrides = f"{decision}: {tag(chosen, REASON_TAG, 'no reason recorded')}"
+        if not force or not reason:
+            typer.echo(f"error: the gate rejected {name} v{version} at registration ({overrides}). To promote it "
+                       f"anyway, pass --force with a --reason saying why", err=True)
+            raise typer.Exit(2)
+        typer.echo(f"overriding the gate's decision at registration: {overrides}")
+    former = promote(client, name, version, by=current_user(), reason=reason or "promoted by hand",
+                     overrides=overrides)
     typer.echo(f"{name}: champion {'v' + former if former else '(none)'} -> v{version}")

@@ -4,6 +4,7 @@ manual promotion, and the champion loaded back with mlflow.transformers and gene
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from functools import partial
 from pathlib import Path
@@ -19,9 +20,9 @@ from cli.main import app
 from rlhf_core.models import load_policy
 from tasks.common.mlflow_store import get_client, tracking_uri
 from tasks.common.params import RegisterParams
-from tasks.common.registry import registry_verdict
+from tasks.common.registry import eval_figures, history, registry_verdict
 from tasks.common.runner import run_stage
-from tasks.stages.register import Candidate, RegisterError, current_user, decide, gate_metric, read_eval
+from tasks.stages.register import Best, Candidate, RegisterError, current_user, decide, gate_metric, read_eval
 
 NAME = "rlhf-policy"
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +60,29 @@ def test_gate():
     assert "no recorded win_rate_rm" in decide(Candidate(0.9, 1.0), None, cfg, m, "1").reason
 
 
+def test_the_gate_refuses_nan_and_inf_naming_the_metric():
+    """#28 item 14: NaN compares false with everything, so `nan > max_kl` let a NaN KL past the budget and a NaN
+    primary "tie" the champion at a lower KL."""
+    cfg, m = RegisterParams(max_kl=4.0, min_primary=0.5, tie_margin=0.01), "win_rate_gold"
+    champion = Candidate(0.7, 1.0)
+    for new, named in ((Candidate(0.9, math.nan), "mean_kl is nan"), (Candidate(math.nan, 0.5), "win_rate_gold is nan"),
+                       (Candidate(math.inf, 0.5), "win_rate_gold is inf"), (Candidate(0.9, -math.inf), "mean_kl is -inf")):
+        for decision in (decide(new, None, cfg, m), decide(new, champion, cfg, m, "1")):
+            assert not decision.promote and named in decision.reason, (new, decision)
+    assert not decide(Candidate(0.9, 1.0), Candidate(math.nan, 1.0), cfg, m, "1").promote, "a NaN champion"
+
+
+def test_repeated_ties_cannot_ratchet_the_primary_down():
+    """#28 item 14: a tie at a lower KL is measured against the champion and also against the best primary so far:
+    each tie may lose up to tie_margin against the champion, but all of them together no more than that."""
+    cfg, m = RegisterParams(max_kl=4.0, min_primary=0.5, tie_margin=0.01), "win_rate_gold"
+    champion, best = Candidate(0.795, 2.0), Best("1", 0.799)
+    assert decide(Candidate(0.792, 1.5), champion, cfg, m, "2", best).promote, "within the margin of both"
+    ratchet = decide(Candidate(0.787, 1.5), champion, cfg, m, "2", best)
+    assert not ratchet.promote and "best win_rate_gold so far (v1: 0.799)" in ratchet.reason, ratchet.reason
+    assert decide(Candidate(0.81, 1.5), champion, cfg, m, "2", best).promote, "beating the champion is no tie"
+
+
 def test_auto_gate_prefers_gold_and_a_demo_scale_kl_budget():
     defaults = RegisterParams()
     assert (defaults.primary_metric, defaults.max_kl) == ("auto", 4.0)
@@ -85,31 +109,32 @@ def test_register_gates_promotes_and_the_champion_generates(policy_root, monkeyp
     client = get_client(root)
     assert client.get_registered_model(NAME).aliases == {"champion": 4, "challenger": 4}
     v3 = client.get_model_version(NAME, "3")
-    assert v3.tags["eval.win_rate_rm"] == "0.9" and v3.tags["eval.mean_kl"] == "5.0"
-    assert v3.tags["decision"] == "challenger" and v3.tags["champion_before"] == "1"
+    assert eval_figures(client, v3) == {"win_rate_rm": 0.9, "mean_kl": 5.0, "win_rate_gold": 0.9}
+    assert v3.tags["gate.decision"] == "challenger" and v3.tags["gate.champion_before"].startswith("v1 ")
     v4 = client.get_model_version(NAME, "4").tags
-    assert (v4["primary_metric"], v4["primary"], v4["max_kl"], v4["tie_margin"]) == ("win_rate_gold", "0.8", "4.0", "0.01")
-    assert (v4["champion_primary"], v4["champion_mean_kl"]) == ("0.7", "1.0")
+    assert (v4["gate.metric"], v4["gate.primary"], v4["gate.mean_kl"]) == ("win_rate_gold", "0.8", "2.0")
+    assert v4["gate.settings"] == "max_kl=4 min_primary=0.5 tie_margin=0.01"
+    assert v4["gate.champion_before"] == "v1 (win_rate_gold 0.7 at mean_kl 1)"
     assert json.loads(v4["rlhf.overrides"]) == ["train.kl_coef=0.2"]
 
     monkeypatch.chdir(root)
     runner = CliRunner()
-    listed = runner.invoke(app, ["models", "list"])
+    listed = runner.invoke(app, ["models", "list"], env={"COLUMNS": "250"})
     assert listed.exit_code == 0 and "challenger, champion" in listed.output, listed.output
-    assert "train.kl_coef=0.2" in listed.output and "v1 (0.7 at KL 1)" in listed.output, listed.output
-    compared = runner.invoke(app, ["models", "compare", "1", "2", "4"])
+    assert "train.kl_coef=0.2" in listed.output and "beats champion v1 (0.7)" in listed.output, listed.output
+    compared = runner.invoke(app, ["models", "compare", "1", "2", "4"], env={"COLUMNS": "250"})
     assert compared.exit_code == 0 and "v4 @challenger @champion" in compared.output, compared.output
-    for row in ("KL budget (max_kl)", "tie margin", "reason", "overrides", "train.kl_coef=0.2",
+    for row in ("win_rate_gold", "gate settings", "max_kl=4", "reason", "overrides", "train.kl_coef=0.2",
                 "does not beat champion v1"):
         assert row in compared.output, (row, compared.output)
     assert runner.invoke(app, ["models", "promote", "9"]).exit_code == 2
-    promoted = runner.invoke(app, ["models", "promote", "2", "--reason", "gold win rate"])
-    assert promoted.exit_code == 0 and "champion v4 -> v2" in promoted.output, promoted.output
+    assert runner.invoke(app, ["models", "promote", "1"]).exit_code == 0, "the gate promoted v1 once: no --force"
+    promoted = runner.invoke(app, ["models", "promote", "4", "--reason", "back to v4"])
+    assert promoted.exit_code == 0 and "champion v1 -> v4" in promoted.output, promoted.output
+    assert client.get_registered_model(NAME).aliases["champion"] == 4
     v2 = client.get_model_version(NAME, "2")
-    assert v2.tags["promoted_by"] == current_user() and v2.tags["promotion_reason"] == "gold win rate"
-    assert client.get_model_version(NAME, "4").tags["demoted_at"]
-    assert f"promoted by {current_user()}" in runner.invoke(app, ["models", "list"]).output
-
+    assert v2.tags["gate.decision"] == "challenger" and "champion_history" not in v2.tags
+    assert client.get_registered_model(NAME).aliases == {"champion": 4, "challenger": 4}
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri(root))
     pipe = mlflow.transformers.load_model(f"models:/{NAME}@champion")
     text = pipe("w3 w4 w5", max_new_tokens=4, do_sample=False)[0]["generated_text"]
@@ -117,6 +142,88 @@ def test_register_gates_promotes_and_the_champion_generates(policy_root, monkeyp
     reference = load_policy(root / "models" / "policy").state_dict()
     for key, value in pipe.model.state_dict().items():
         torch.testing.assert_close(value, reference[key], msg=key)
+
+
+def test_register_refuses_a_nan_metric_and_ties_below_the_best_so_far(policy_root):
+    """#28 item 14 through the stage: a NaN win_rate_gold in metrics/eval.json registers a challenger and leaves the
+    champion alias where it was; a chain of ties at lower KL stops at tie_margin below the best version."""
+    root, client = policy_root, get_client(policy_root)
+    assert register(root, 0.8, 3.0)["promoted"]                        # v1: 0.8
+    nan = register(root, 0.9, 1.0, gold=math.nan)                       # v2: gold NaN
+    assert not nan["promoted"] and "win_rate_gold is nan" in nan["reason"], nan
+    assert client.get_registered_model(NAME).aliases["champion"] == 1
+    assert register(root, 0.795, 2.0)["promoted"]                       # v3: a tie with v1 at a lower KL
+    ratchet = register(root, 0.789, 1.0)                                # v4: a tie with v3, 0.011 below v1
+    assert not ratchet["promoted"] and "best win_rate_gold so far (v1: 0.8)" in ratchet["reason"], ratchet
+    assert client.get_registered_model(NAME).aliases["champion"] == 3
+
+
+def test_a_versions_source_run_holds_the_pipeline_params_and_evaluation(policy_root):
+    """#28 item 4: MLflow's version compare shows the params and metrics of each version's source run (the register
+    stage's run): it holds every resolved parameter (train.*, sft.*, reward_model.*...), not only register.*."""
+    root, client = policy_root, get_client(policy_root)
+    register(root, 0.7, 1.0)
+    register(root, 0.8, 2.0, overrides=["train.kl_coef=0.2"])
+    first, second = (client.get_run(client.get_model_version(NAME, v).run_id).data for v in ("1", "2"))
+    assert first.params["train.kl_coef"] != second.params["train.kl_coef"] == "0.2"
+    for section in ("prepare.", "sft.", "reward_model.", "train.", "evaluate.", "register.", "base."):
+        assert any(k.startswith(section) for k in first.params), (section, sorted(first.params))
+    assert (first.metrics["eval/win_rate_gold"], second.metrics["eval/mean_kl"]) == (0.7, 2.0)
+
+
+def test_the_registry_reads_well_and_a_forced_promotion_keeps_the_history(policy_root, monkeypatch):
+    """#28 item 5: a version's description says what it is, its headline figures and the gate's reason in full; it
+    has a dozen well-named tags; the registered model names its champion; promoting a version the gate rejected
+    takes --force and a reason, says what it overrides, and every promotion is kept in a history."""
+    root, client, user = policy_root, get_client(policy_root), current_user()
+    register(root, 0.7, 1.0)                                            # v1: champion
+    register(root, 0.9, 5.0)                                            # v2: over the KL budget
+    v2 = client.get_model_version(NAME, "2")
+    assert "mean_kl 5 is over the KL budget register.max_kl=4" in v2.description, v2.description
+    assert "| win_rate_gold | 0.9 |" in v2.description and "kept as challenger" in v2.description
+    assert len(v2.tags) <= 12 and v2.tags["gate.reason"] in v2.description, sorted(v2.tags)
+    model = client.get_registered_model(NAME)
+    assert "Champion: v1" in model.description and model.tags["champion"].startswith("v1 "), model
+
+    monkeypatch.chdir(root)
+    runner = CliRunner()
+    refused = runner.invoke(app, ["models", "promote", "2", "--reason", "gold looks fine"])
+    assert refused.exit_code == 2 and "the gate rejected" in refused.output, refused.output
+    assert "over the KL budget" in refused.output and "--force" in refused.output, refused.output
+    assert runner.invoke(app, ["models", "promote", "2", "--force"]).exit_code == 2, "--force takes a --reason"
+    assert client.get_registered_model(NAME).aliases["champion"] == 1
+    forced = runner.invoke(app, ["models", "promote", "2", "--force", "--reason", "gold judged by hand"])
+    assert forced.exit_code == 0 and "champion v1 -> v2" in forced.output, forced.output
+    assert "overriding the gate's decision at registration: challenger: mean_kl 5" in forced.output, forced.output
+    assert "Champion: v2" in client.get_registered_model(NAME).description
+    assert runner.invoke(app, ["models", "promote", "1", "--reason", "rollback"]).exit_code == 0
+
+    v1, v2 = client.get_model_version(NAME, "1"), client.get_model_version(NAME, "2")
+    assert [(e["event"], e["by"]) for e in history(v1)] == [("promoted", "register stage"), ("demoted", user),
+                                                             ("promoted", user)]
+    assert history(v1)[-1]["reason"] == "rollback" and "no champion yet" in history(v1)[0]["reason"]
+    assert history(v2)[0]["overrides"].startswith("challenger: mean_kl 5"), history(v2)
+    assert "Champion history" in v1.description and "rollback" in v1.description
+    model = client.get_registered_model(NAME)
+    assert "Champion: v1" in model.description and "rollback" in model.description
+    listed = runner.invoke(app, ["models", "list"], env={"COLUMNS": "250"})
+    assert "(forced)" in listed.output and f"promoted by {user}" in listed.output, listed.output
+
+
+def test_models_tables_fit_the_terminal_and_list_gives_the_reason(policy_root, monkeypatch):
+    """#28 item 15: `rlhf models` tables take the terminal's width (they were forced to 200 columns), and `list` has
+    the gate's reason."""
+    register(policy_root, 0.7, 1.0)
+    register(policy_root, 0.9, 5.0)
+    monkeypatch.chdir(policy_root)
+    runner = CliRunner()
+    wide = runner.invoke(app, ["models", "list"], env={"COLUMNS": "250"})
+    assert wide.exit_code == 0 and "reason" in wide.output, wide.output
+    assert "mean_kl 5 is over the KL budget register.max_kl=4" in wide.output, wide.output
+    for command in (["models", "list"], ["models", "compare"]):
+        narrow = runner.invoke(app, command, env={"COLUMNS": "100"})
+        assert narrow.exit_code == 0 and max(map(len, narrow.output.splitlines())) <= 100, narrow.output
+        assert "created" in narrow.output or "overrides" in narrow.output, "the last column is not cropped"
 
 
 def test_register_with_tracking_off_registers_nothing(policy_root, monkeypatch):

@@ -5,15 +5,20 @@ The new version always gets the alias `challenger`. It also becomes `champion` w
    whatever its scores say);
 2. its primary metric (`register.primary_metric`; 'auto' is the gold win rate where the world has a gold
    reward, else the reward model's) beats the champion's by more than `register.tie_margin`, or ties it
-   (within the margin) at a lower mean_kl; with no champion yet, it must exceed `register.min_primary`.
-The decision, every figure behind it and the run's overrides are tags of the version and in
-metrics/register.json.
+   (within the margin) at a lower mean_kl, and is then no more than the margin below the best primary any
+   version recorded within the KL budget (so repeated ties cannot ratchet the metric down); with no champion
+   yet, it must exceed `register.min_primary`.
+A primary metric or mean_kl that is NaN or infinite never passes: the reason names the metric.
+The decision and its reason are the version's description and `gate.*` tags (tasks/common/registry.py), and in
+metrics/register.json; the stage's run (the version's source run) carries every resolved parameter of the
+pipeline and the evaluation as `eval/*` metrics, so MLflow's version compare shows what differs.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,16 +33,32 @@ from tasks.common.mlflow_tracker import numeric
 from tasks.common.params import Params, RegisterParams
 from tasks.common.paths import Paths
 from tasks.common.registry import (
+    BEFORE_TAG,
     CHALLENGER,
     CHAMPION,
+    CHAMPION_MODEL_TAG,
+    DECISION_TAG,
     EVAL_MD5_TAG,
+    EVAL_METRIC,
+    HISTORY_TAG,
+    KL_TAG,
+    METRIC_TAG,
     POLICY_MD5_TAG,
+    PRIMARY_TAG,
+    REASON_TAG,
+    SETTINGS_TAG,
+    Candidate,
     champion_of,
+    history,
+    last_promotion,
+    recorded,
+    tag,
     version_of_policy,
 )
 from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
 
-EVAL_TAG = "eval."  # version tags eval.<metric>: the figures of metrics/eval.json the version was gated on
+__all__ = ["Best", "Candidate", "Decision", "decide", "gate_metric", "promote", "read_eval", "run"]
+HEADLINE = ("win_rate_gold", "win_rate_rm", "mean_kl", "mean_score_gold", "mean_score_rm", "eos_rate", "mean_length")
 
 
 class RegisterError(StageFailed, ValueError):
@@ -48,11 +69,11 @@ GOLD_WIN_RATE, RM_WIN_RATE = "win_rate_gold", "win_rate_rm"
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """What the gate compares of a version: its primary metric and its eval mean_kl."""
+class Best:
+    """The highest primary metric a registered version recorded within the KL budget: the floor of a tie."""
 
+    version: str
     primary: float
-    mean_kl: float
 
 
 @dataclass(frozen=True)
@@ -69,16 +90,20 @@ def gate_metric(cfg: RegisterParams, figures: dict[str, float]) -> str:
 
 
 def decide(new: Candidate, champion: Candidate | None, cfg: RegisterParams, metric: str,
-           champion_version: str | None = None) -> Decision:
-    """The promotion gate: the KL budget, then beat the champion (or the minimum when there is none);
-    a tie within `tie_margin` goes to the lower KL."""
+           champion_version: str | None = None, best: Best | None = None) -> Decision:
+    """The promotion gate: finite figures, the KL budget, then beat the champion (or the minimum when there is
+    none); a tie within `tie_margin` goes to the lower KL unless it falls more than the margin below `best`."""
+    for figure, value in ((metric, new.primary), ("mean_kl", new.mean_kl)):
+        if not math.isfinite(value):
+            return Decision(False, f"{figure} is {value} in metrics/eval.json: not a number the gate can compare; "
+                                   f"not promoted")
     if new.mean_kl > cfg.max_kl:
         return Decision(False, f"mean_kl {new.mean_kl:.4g} is over the KL budget register.max_kl={cfg.max_kl:g}")
     if champion_version is None:
         verdict = ">" if new.primary > cfg.min_primary else "<="
         return Decision(verdict == ">", f"no champion yet; {metric} {new.primary:.4g} {verdict} "
                                         f"register.min_primary={cfg.min_primary:g}")
-    if champion is None:
+    if champion is None or not champion.finite():
         return Decision(False, f"champion v{champion_version} has no recorded {metric} and mean_kl to compare "
                                f"with; promote by hand with `rlhf models promote`")
     ours, theirs = f"{metric} {new.primary:.4g}", f"champion v{champion_version} ({champion.primary:.4g}"
@@ -88,9 +113,25 @@ def decide(new: Candidate, champion: Candidate | None, cfg: RegisterParams, metr
     if gap < -cfg.tie_margin:
         return Decision(False, f"{ours} does not beat {theirs})")
     tie = f"{ours} ties {theirs}, within register.tie_margin={cfg.tie_margin:g})"
-    if new.mean_kl < champion.mean_kl:
-        return Decision(True, f"{tie} at a lower mean_kl ({new.mean_kl:.4g} < {champion.mean_kl:.4g})")
-    return Decision(False, f"{tie}; its mean_kl {new.mean_kl:.4g} is not below the champion's {champion.mean_kl:.4g}")
+    if new.mean_kl >= champion.mean_kl:
+        return Decision(False, f"{tie}; its mean_kl {new.mean_kl:.4g} is not below the champion's "
+                               f"{champion.mean_kl:.4g}")
+    lower = f"at a lower mean_kl ({new.mean_kl:.4g} < {champion.mean_kl:.4g})"
+    if best is not None and new.primary < best.primary - cfg.tie_margin:
+        return Decision(False, f"{tie} {lower}, but is more than the margin below the best {metric} so far "
+                               f"(v{best.version}: {best.primary:.4g}); ties must not ratchet it down")
+    return Decision(True, f"{tie} {lower}")
+
+
+def best_so_far(client, name: str, metric: str, cfg: RegisterParams) -> Best | None:
+    """The highest `metric` any version of `name` recorded within the KL budget (finite figures only)."""
+    best = None
+    for version in client.search_model_versions(f"name = '{name}'"):
+        figures = recorded(client, version, metric)
+        if figures is not None and figures.finite() and figures.mean_kl <= cfg.max_kl \
+                and (best is None or figures.primary > best.primary):
+            best = Best(str(version.version), figures.primary)
+    return best
 
 
 def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
@@ -107,23 +148,64 @@ def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
     return figures
 
 
-def recorded(version, metric: str) -> Candidate | None:
-    """The version's figures as recorded at its registration, or None when it lacks them."""
-    primary, mean_kl = version.tags.get(EVAL_TAG + metric), version.tags.get(EVAL_TAG + "mean_kl")
-    return None if primary is None or mean_kl is None else Candidate(float(primary), float(mean_kl))
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def promote(client, name: str, version: str, by: str, reason: str) -> str | None:
-    """Move the champion alias to `version`, recording who, when and why; returns the former champion."""
+def _record(client, name: str, version, event: dict) -> None:
+    """Append `event` to the version's champion history (its tag and its description): never overwritten."""
+    events = [*history(version), event]
+    client.set_model_version_tag(name, str(version.version), HISTORY_TAG, json.dumps(events))
+    line = f"- {event['at']}: {event['event']} by {event['by']}: {event['reason']}"
+    if event.get("overrides"):
+        line += f" (overriding the gate's decision at registration: {event['overrides']})"
+    text = version.description or ""
+    head = "" if "**Champion history**" in text else "\n\n**Champion history**\n"
+    client.update_model_version(name, str(version.version), description=f"{text.rstrip()}{head}\n{line}".strip())
+
+
+def promote(client, name: str, version: str, by: str, reason: str, overrides: str | None = None) -> str | None:
+    """Move the champion alias to `version`, appending who, when and why to its champion history (and the
+    demotion to the former champion's); `overrides`: the gate's rejection a manual promotion overrides.
+    Returns the former champion."""
     former = champion_of(client, name)
     client.set_registered_model_alias(name, CHAMPION, str(version))
-    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    for key, value in (("promoted_by", by), ("promoted_at", when), ("promotion_reason", reason)):
-        client.set_model_version_tag(name, str(version), key, value)
+    event = {"event": "promoted", "at": _now(), "by": by, "reason": reason}
+    if overrides:
+        event["overrides"] = overrides
+    _record(client, name, client.get_model_version(name, str(version)), event)
     former_version = None if former is None else str(former.version)
     if former_version not in (None, str(version)):
-        client.set_model_version_tag(name, former_version, "demoted_at", when)
+        _record(client, name, former, {"event": "demoted", "at": event["at"], "by": by,
+                                       "reason": f"v{version} promoted to champion"})
+    describe_model(client, name)
     return former_version
+
+
+def describe_model(client, name: str) -> None:
+    """The registered model's description and `champion` tag: the current champion, its figures and why."""
+    champion = champion_of(client, name)
+    if champion is None:
+        words, text = "none", "**Champion: none yet.** No version has passed the promotion gate."
+    else:
+        metric = tag(champion, METRIC_TAG, "primary")
+        figures = f"{metric} {_num(tag(champion, PRIMARY_TAG))}, mean_kl {_num(tag(champion, KL_TAG))}"
+        last = last_promotion(champion) or {}
+        words = f"v{champion.version} ({figures})"
+        text = (f"**Champion: v{champion.version}** ({figures}), promoted {last.get('at', '?')} by "
+                f"{last.get('by', '?')}: {last.get('reason', '?')}.\n\n"
+                f'Load it with `mlflow.transformers.load_model("models:/{name}@{CHAMPION}")`.')
+    client.update_registered_model(name, description=(
+        f"RLHF policies trained and registered by rlhf-pipeline. {text}\n\nEach version's description holds its "
+        f"headline evaluation, the gate's decision and reason; `rlhf models list` shows them all."))
+    client.set_registered_model_tag(name, CHAMPION_MODEL_TAG, words)
+
+
+def _num(value) -> str:
+    try:
+        return f"{float(value):.4g}"
+    except (TypeError, ValueError):
+        return "-"
 
 
 def current_user() -> str:
@@ -217,23 +299,42 @@ def _card(params: Params, figures: dict[str, float]) -> str:
 
 def gate_tags(metric: str, new: Candidate, champion, recorded_champion: Candidate | None,
               cfg: RegisterParams, decision: Decision) -> dict[str, str]:
-    """Version tags: the decision and every figure and setting behind it."""
-    tags = {"primary_metric": metric, "primary": new.primary, "mean_kl": new.mean_kl, "max_kl": cfg.max_kl,
-            "min_primary": cfg.min_primary, "tie_margin": cfg.tie_margin,
-            "champion_before": champion.version if champion else "none",
-            "decision": CHAMPION if decision.promote else CHALLENGER, "reason": decision.reason}
-    if recorded_champion is not None:
-        tags.update(champion_primary=recorded_champion.primary, champion_mean_kl=recorded_champion.mean_kl)
-    return {key: str(value) for key, value in tags.items()}
+    """The version's `gate.*` tags: the decision, its reason in full, and the figures and settings behind it."""
+    before = "none" if champion is None else f"v{champion.version}" + (
+        "" if recorded_champion is None else
+        f" ({metric} {recorded_champion.primary:.4g} at mean_kl {recorded_champion.mean_kl:.4g})")
+    return {DECISION_TAG: CHAMPION if decision.promote else CHALLENGER, REASON_TAG: decision.reason,
+            METRIC_TAG: metric, PRIMARY_TAG: str(new.primary), KL_TAG: str(new.mean_kl), BEFORE_TAG: before,
+            SETTINGS_TAG: f"max_kl={cfg.max_kl:g} min_primary={cfg.min_primary:g} tie_margin={cfg.tie_margin:g}"}
+
+
+def describe_version(params: Params, figures: dict[str, float], tags: dict[str, str], overrides: list[str]) -> str:
+    """The version's description (Markdown): what it is, its headline evaluation, the gate's decision in full."""
+    headline = [k for k in HEADLINE if k in figures]
+    rows = "\n".join(f"| {k} | {figures[k]:.4g} |" for k in headline)
+    verdict = "promoted to champion" if tags[DECISION_TAG] == CHAMPION else "kept as challenger (not promoted)"
+    return (f"A {params.train.algo.upper()} policy trained by rlhf-pipeline: profile `{params.base.profile}`, "
+            f"overrides {' '.join(f'`{o}`' for o in overrides) or 'none'}. Its source run (the `register` stage) "
+            f"holds every resolved parameter of the pipeline and the whole evaluation (`eval/*` metrics).\n\n"
+            f"| metric (vs the SFT reference) | value |\n|---|---|\n{rows}\n\n"
+            f"**Gate: {verdict}.** {tags[REASON_TAG]}.\n\n"
+            f"Compared with: champion {tags[BEFORE_TAG]}; gate settings: primary metric {tags[METRIC_TAG]}, "
+            f"{tags[SETTINGS_TAG]}.")
 
 
 def _already_registered(client, name: str, version, figures: dict[str, float]) -> dict:
     """metrics/register.json for a policy the registry already holds: its version, as the registry has it."""
     champion = champion_of(client, name)
     return {"registered": True, "already_registered": True, "model_name": name, "version": int(version.version),
-            "promoted": version.tags.get("decision") == CHAMPION, "reason": version.tags.get("reason", ""),
-            "primary_metric": version.tags.get("primary_metric"), "mean_kl": figures["mean_kl"],
+            "promoted": tag(version, DECISION_TAG) == CHAMPION, "reason": tag(version, REASON_TAG, ""),
+            "primary_metric": tag(version, METRIC_TAG), "mean_kl": figures["mean_kl"],
             "champion": int(champion.version) if champion else None}
+
+
+def pipeline_params(params: Params) -> dict:
+    """The sections of the resolved params that the stage run does not log already (it logs base, runtime and
+    register): with them, the version's source run says how its policy was made (sft, reward_model, train...)."""
+    return {k: v for k, v in params.model_dump(mode="json").items() if k not in ("base", "runtime", "register")}
 
 
 def run(params: Params, paths: Paths) -> dict:
@@ -254,19 +355,24 @@ def run(params: Params, paths: Paths) -> dict:
         report = _already_registered(client, name, existing, figures)
         write_json(paths.metrics_file("register"), report)
         return {"registered": 0, "version": report["version"]}
+    # the version's source run is this one: MLflow's version compare shows its params and metrics
+    run.tracker.log_params(pipeline_params(params))
+    run.tracker.log_metrics({EVAL_METRIC + k: v for k, v in figures.items()}, step=0)
     champion = champion_of(client, name)  # before this version is added
     version = log_policy(run, paths.policy, name, _card(params, figures))
-    champion_figures = None if champion is None else recorded(champion, metric)
-    decision = decide(new, champion_figures, cfg, metric, None if champion is None else str(champion.version))
-    tags = {**{EVAL_TAG + k: str(v) for k, v in figures.items()},
-            **gate_tags(metric, new, champion, champion_figures, cfg, decision),
-            "rlhf.profile": params.base.profile, "rlhf.stage_run_id": run.run_id, **lineage,
-            OVERRIDES_TAG: json.dumps(run.overrides)}
+    champion_figures = None if champion is None else recorded(client, champion, metric)
+    decision = decide(new, champion_figures, cfg, metric, None if champion is None else str(champion.version),
+                      best_so_far(client, name, metric, cfg))
+    gate = gate_tags(metric, new, champion, champion_figures, cfg, decision)
+    tags = {**gate, "rlhf.profile": params.base.profile, **lineage, OVERRIDES_TAG: json.dumps(run.overrides)}
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
+    client.update_model_version(name, version, description=describe_version(params, figures, gate, run.overrides))
     client.set_registered_model_alias(name, CHALLENGER, version)
     if decision.promote:
         promote(client, name, version, by="register stage", reason=decision.reason)
+    elif champion is None:
+        describe_model(client, name)  # a first version that failed the gate: the model says there is no champion
     before = int(champion.version) if champion else None
     report = {"registered": True, "already_registered": False, "model_name": name, "version": int(version),
               "promoted": decision.promote, "reason": decision.reason, "primary_metric": metric,
