@@ -7,19 +7,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf_core.jsonio import read_json_object
 from tasks.common.lineage import lineage_tags
 from tasks.common.mlflow_store import (
-    LOCAL_UI_ENV,
     TrackingError,
     experiment_id,
+    experiment_url,
     get_client,
+    run_page_url,
     tracking_enabled,
-    tracking_uri,
 )
 from tasks.common.mlflow_tracker import MlflowTracker
 from tasks.common.params import Params, load_params
@@ -91,17 +90,24 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
 
 
 def run_url(run_id: str, root: str | Path = ".") -> str | None:
-    """A link to the run in the MLflow UI: the server's, or the one `mlflow ui` serves for a local store
-    (http://127.0.0.1:5000 unless RLHF_MLFLOW_UI says otherwise)."""
+    """A link to the run in the MLflow UI (mlflow_store.run_page_url), or None without tracking."""
+    exp = _experiment_of(run_id, root)
+    return None if exp is None else run_page_url(exp, run_id, root)
+
+
+def experiment_url_of(run_id: str, root: str | Path = ".") -> str | None:
+    """A link to the runs table of the run's experiment (mlflow_store.experiment_url), or None."""
+    exp = _experiment_of(run_id, root)
+    return None if exp is None else experiment_url(exp, root)
+
+
+def _experiment_of(run_id: str, root: str | Path) -> str | None:
     if not run_id or not tracking_enabled():
         return None
-    uri = tracking_uri(root)
     try:
-        exp = get_client(root).get_run(run_id).info.experiment_id
+        return get_client(root).get_run(run_id).info.experiment_id
     except Exception:
         return None
-    base = uri if uri.startswith(("http://", "https://")) else os.environ.get(LOCAL_UI_ENV, "http://127.0.0.1:5000")
-    return f"{base.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
 
 
 def iter_runs(root: str | Path, parent_run_id: str) -> Iterator:

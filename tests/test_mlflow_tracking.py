@@ -14,9 +14,10 @@ from test_pipeline import TINY
 from flows.pipeline_run import end_pipeline_run, iter_runs, run_name, run_url, start_pipeline_run
 from rlhf_core.jsonio import write_json, write_jsonl
 from tasks.common.lineage import file_md5
-from tasks.common.mlflow_store import TrackingError, experiment_id, get_client
+from tasks.common.mlflow_store import TrackingError, experiment_id, experiment_url, get_client, tracking_uri
 from tasks.common.mlflow_tracker import MlflowTracker
 from tasks.common.params import load_params
+from tasks.common.progress import mlflow_ui_hint
 from tasks.common.runner import run_stage
 from tasks.common.stage_tracking import stage_tracker, track_stage
 
@@ -47,7 +48,7 @@ def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
     assert run.data.tags["rlhf.profile"] == "demo" and run.data.tags["rlhf.git_commit"] == "unknown"
     assert run.data.tags["rlhf.dvc_lock_md5"] == file_md5(root / "dvc.lock")
     assert {"dvc.lock", "metrics"} <= artifacts(client, parent)
-    assert run_url(parent, root).endswith(f"/runs/{parent}")
+    assert run_url(parent, root).endswith(f"/runs/{parent}?workflowType=machine_learning")
 
     prepare, evaluate = iter_runs(root, parent)
     assert (prepare.info.run_name, prepare.info.status) == ("prepare", "FINISHED")
@@ -149,6 +150,29 @@ def test_logging_errors_never_fail_but_a_bad_parent_fails_first(mlflow_root, mon
     (broken / "mlflow.db").mkdir(parents=True)
     assert track_stage("prepare", broken, load_params(mlflow_root), lambda: {"a": 1}) == {"a": 1}
     assert "runs untracked" in caplog.text
+
+
+REPO = Path(__file__).resolve().parent.parent
+ML_VIEW = "?workflowType=machine_learning"
+
+
+def test_every_mlflow_link_opens_the_runs_table_not_the_genai_overview(mlflow_root, monkeypatch):
+    """#28 item 2: MLflow 3.17 opens an experiment in its GenAI overview whatever the experiment's tags say; a link
+    naming `workflowType=machine_learning` opens the runs table in any browser. Every link we print (the end-of-run
+    summary, the Prefect artifact's run link) and document (README, infra/README.md) names it."""
+    root = mlflow_root
+    parent = start_pipeline_run(root, None, TINY)
+    exp = get_client(root).get_run(parent).info.experiment_id
+    assert experiment_url(exp, root) == f"http://127.0.0.1:5000/#/experiments/{exp}/runs{ML_VIEW}"
+    assert run_url(parent, root) == f"http://127.0.0.1:5000/#/experiments/{exp}/runs/{parent}{ML_VIEW}"
+    serve, runs, run = mlflow_ui_hint(root, tracking_uri(root), parent)  # the summary at the end of `rlhf run`
+    assert serve.startswith("mlflow ui --backend-store-uri sqlite:///"), serve
+    assert runs.endswith(experiment_url(exp, root)) and run.endswith(run_url(parent, root))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.org/")
+    assert experiment_url("7") == f"https://mlflow.example.org/#/experiments/7/runs{ML_VIEW}"
+    documented = [link for doc in ("README.md", "infra/README.md")
+                  for link in re.findall(r"#/experiments/[^\s)`'\"]*", (REPO / doc).read_text())]
+    assert documented and all(link.endswith(ML_VIEW) for link in documented), documented
 
 
 def test_tracking_off_touches_no_store(tmp_path, monkeypatch):

@@ -21,8 +21,12 @@ EXPERIMENT_NAME = "rlhf-pipeline"  # MLFLOW_EXPERIMENT_NAME overrides it, as eve
 PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
 TRACKING_ENV = "RLHF_TRACKING"
 LOCAL_UI_ENV = "RLHF_MLFLOW_UI"  # where `mlflow ui` serves a local store (for run links)
-# MLflow 3's UI opens an experiment without this tag in its GenAI views (traces, prompts); ours trains models
+LOCAL_UI = "http://127.0.0.1:5000"
+# MLflow 3's UI opens an experiment without this tag in its GenAI views (traces, prompts); ours trains models.
+# The tag alone is not enough (MLflow 3.17 keeps a per-browser choice, GenAI by default): every link we print
+# names the view, `?workflowType=machine_learning`, which opens the runs table in any browser.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+ML_VIEW = "workflowType=machine_learning"
 
 
 class TrackingError(StageFailed, RuntimeError):
@@ -81,6 +85,24 @@ def get_client(root: str | Path = "."):
     except Exception as err:
         raise TrackingError(f"cannot open the MLflow store {uri!r}: {err}. Unset MLFLOW_TRACKING_URI for the "
                             f"local store, or set {TRACKING_ENV}=off to run without tracking.") from err
+
+
+def ui_base(root: str | Path = ".") -> str:
+    """The MLflow UI of the store: the tracking server itself, or what `mlflow ui` serves for a local store
+    (http://127.0.0.1:5000 unless RLHF_MLFLOW_UI says otherwise)."""
+    uri = tracking_uri(root)
+    base = uri if uri.startswith(("http://", "https://")) else os.environ.get(LOCAL_UI_ENV, LOCAL_UI)
+    return base.rstrip("/")
+
+
+def experiment_url(exp_id: str, root: str | Path = ".") -> str:
+    """The experiment's runs table in the MLflow UI (not its GenAI overview)."""
+    return f"{ui_base(root)}/#/experiments/{exp_id}/runs?{ML_VIEW}"
+
+
+def run_page_url(exp_id: str, run_id: str, root: str | Path = ".") -> str:
+    """One run's page, with the UI in its machine-learning view (its side bar leads to runs and models)."""
+    return f"{ui_base(root)}/#/experiments/{exp_id}/runs/{run_id}?{ML_VIEW}"
 
 
 def experiment_id(client, root: str | Path = ".") -> str:

@@ -130,6 +130,21 @@ def prefect_ui_hint(flow_run_id: str | None) -> str:
     return f"PREFECT_HOME={home} prefect server start, then http://127.0.0.1:4200"
 
 
+def mlflow_ui_hint(root: Path, uri: str, run_id: str) -> list[str]:
+    """Lines saying where to see the run in MLflow: how to serve a local store, then the experiment's runs
+    table and the run's page (links that open MLflow's machine-learning view, not its GenAI overview)."""
+    from tasks.common.mlflow_store import experiment_url, get_client, is_remote, run_page_url
+
+    try:
+        exp = get_client(root).get_run(run_id).info.experiment_id
+    except Exception:
+        exp = None
+    serve = [] if is_remote(uri) else [f"mlflow ui --backend-store-uri {uri}, then open"]
+    if exp is None:
+        return [*serve, f"the run {run_id}"]
+    return [*serve, f"runs:     {experiment_url(exp, root)}", f"this run: {run_page_url(exp, run_id, root)}"]
+
+
 def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | None, registry: str | None) -> None:
     """Stages, headline metrics, the registry's verdict (a line read from the registry), and where to look next."""
     from rich.console import Console
@@ -140,7 +155,9 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
     for column in ("stage", "", "seconds"):
         stages.add_column(column)
     for s in result.get("stages", []):
-        stages.add_row(s["stage"], "ran" if s["ran"] else "[dim]unchanged, skipped[/dim]", f"{s['seconds']:.1f}")
+        how = "ran" if s["ran"] else "restored from DVC's run cache" if s.get("restored") else \
+            "[dim]unchanged, skipped[/dim]"
+        stages.add_row(s["stage"], how, f"{s['seconds']:.1f}")
     console.print(stages)
 
     evaluation = read_json_object(root / "metrics" / "eval.json") or {}
@@ -160,6 +177,7 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
                       "(the run record, MLflow and Prefect keep them)")
     console.print("[bold]where to look[/bold]")
     if mlflow_uri and result.get("mlflow_run_id"):
-        console.print(f"  MLflow:  mlflow ui --backend-store-uri {mlflow_uri}   (run {result['mlflow_run_id']})")
+        for i, line in enumerate(mlflow_ui_hint(root, mlflow_uri, result["mlflow_run_id"])):
+            console.print(f"  {'MLflow:' if i == 0 else '':8} {line}", soft_wrap=True)  # links stay whole
     console.print(f"  Prefect: {prefect_ui_hint(result.get('flow_run_id'))}")
     console.print(f"  reports: {root / 'reports'}/ (eval/, logs/, runs/)   metrics: {root / 'metrics'}/")
