@@ -8,6 +8,7 @@
 # Parts, in order, each under its own time limit; a part that fails or runs out is recorded and the next one runs:
 #   env        versions and the device
 #   vs_trl     ours against TRL 1.9.0 side by side: PPO and RLOO, one pair, 3 steady updates (bench/vs_trl.py)
+#   decode     the rollout's decode loop, eager and with CUDA graphs, against generate (bench/decode_loop.py)
 #   gpu_tests  the gpu-marked tests: PPO/RLOO full and LoRA in bf16 at lr 0, DeepSpeed ZeRO-2/3 one-process launches
 #   pipeline   every stage (`rlhf stage`) of tldr-pythia-1b on local random-weight models and generated data
 # A rerun of some parts only (a second, shorter call): GPU_CHECK_PARTS="vs_trl gpu_tests", GPU_CHECK_ALGOS="rloo"
@@ -31,12 +32,14 @@ export PYTHONUNBUFFERED=1 RLHF_SYSTEM_METRICS=off RLHF_GPU_CHECK_OUT=$WORK
 if (( DRY_RUN )); then
   # no GPU, whatever the machine has; tiny shapes (tests/test_gpu.py, bench/vs_trl.py's "dry-run")
   export CUDA_VISIBLE_DEVICES="" RLHF_GPU_CHECK=cpu-dry-run DS_ACCELERATOR=cpu
-  LIMITS=(env=60 vs_trl=120 gpu_tests=150 pipeline=150)
+  LIMITS=(env=60 vs_trl=120 decode=60 gpu_tests=150 pipeline=150)
   VS_TRL=(--device cpu --shapes dry-run --updates 3)
+  DECODE=(--device cpu --shapes dry-run --repeats 2)
   PIPELINE=(--shapes dry-run --updates 2 --rows 200)
 else
-  LIMITS=(env=20 vs_trl=130 gpu_tests=190 pipeline=140)
+  LIMITS=(env=20 vs_trl=130 decode=80 gpu_tests=150 pipeline=100)
   VS_TRL=(--device cuda --shapes pythia-1b --updates 4)
+  DECODE=(--device cuda --shapes pythia-1b --repeats 5)
   PIPELINE=(--shapes pythia-1b --updates 2 --rows 400)
 fi
 [[ -n ${GPU_CHECK_LIMITS:-} ]] && read -ra LIMITS <<<"$GPU_CHECK_LIMITS"  # e.g. "env=20 vs_trl=100 gpu_tests=150"
@@ -52,7 +55,7 @@ if [[ -n "$WHEELS" ]] && compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
-PARTS=" ${GPU_CHECK_PARTS:-vs_trl gpu_tests pipeline} "
+PARTS=" ${GPU_CHECK_PARTS:-vs_trl decode gpu_tests pipeline} "
 part() {  # part NAME COMMAND...: run it under its limit, log it, record exit and seconds, refresh the report
   local name=$1 start rc; shift
   [[ $name == env || $PARTS == *" $name "* ]] || return 0
@@ -69,6 +72,7 @@ part() {  # part NAME COMMAND...: run it under its limit, log it, record exit an
 part env "$PY" bench/gpu_report.py --environment "$WORK/environment.json"
 part vs_trl "$PY" bench/vs_trl.py "${VS_TRL[@]}" --algos ${GPU_CHECK_ALGOS:-ppo rloo} --pairs 1 --trl-python "$PY" --trl-pythonpath "$PYTHONPATH" \
   --json "$WORK/vs_trl.json"
+part decode "$PY" bench/decode_loop.py "${DECODE[@]}" --json "$WORK/decode.json"
 part gpu_tests "$PY" -m pytest -m gpu tests/test_gpu.py -k "${GPU_CHECK_TESTS:-}" -v -s -p no:cacheprovider \
   --junitxml="$WORK/gpu_tests.xml"
 part pipeline "$PY" bench/gpu_pipeline.py "$WORK/pipeline" "${PIPELINE[@]}" --timeout "$(( $(limit pipeline) - 10 ))" \

@@ -126,6 +126,17 @@ def markdown(report: dict) -> str:
             lines.append(f"| {algo} | {row['ours']['episodes_per_s']:.2f} | {row['trl']['episodes_per_s']:.2f} | "
                          f"{row['speed_ratio']:.2f} | {row['ours'][key]:.1f} | {row['trl'][key]:.1f} | "
                          f"{row['memory_ratio']:.2f} | {phases} |")
+    decode = report.get("decode")
+    if decode:
+        paths = [k[:-len("_median_ms")] for k in decode["ppo"] if k.endswith("_median_ms")]
+        lines += ["", f"Decode loop ({decode['shapes']}, {decode['rows']} rows, {decode['prompt_length']} + "
+                  f"{decode['response_length']} tokens), median ms per rollout (first call):", "",
+                  "| case | " + " | ".join(paths) + " | ×generate |", "|---|" + "---|" * (len(paths) + 1)]
+        for case in ("ppo", "rloo"):
+            row = decode[case]
+            speedups = ", ".join(f"{k[len('speedup_'):]} {v:.2f}" for k, v in row.items() if k.startswith("speedup_"))
+            lines.append(f"| {case} | " + " | ".join(f"{row[p + '_median_ms']} ({row[p + '_first_ms']})"
+                                                      for p in paths) + f" | {speedups} |")
     if report.get("gpu_tests"):
         lines += ["", "| test | algo | variant | ep/s | peak GiB | approxkl max | clipfrac max | phases (s) |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -156,6 +167,7 @@ def report(work: Path, dry_run: bool) -> dict:
     return {"dry_run": dry_run, "environment": read_json(work / "environment.json"),
             "parts": read_jsonl(work / "parts.jsonl"), "vs_trl": side_by_side,
             "vs_trl_runs": (read_json(work / "vs_trl.json") or {}).get("runs"),
+            "decode": read_json(work / "decode.json"),
             "gpu_tests": tests, "gpu_test_outcomes": outcomes, "pipeline": read_json(work / "pipeline.json"),
             "targets": targets(side_by_side, tests)}
 
@@ -178,7 +190,8 @@ def main() -> None:
     print(markdown(result))
     parts = {p["part"]: p["exit"] for p in result["parts"]}  # the parts this call ran (GPU_CHECK_PARTS)
     complete = (all(code == 0 for code in parts.values())
-                and ("vs_trl" not in parts or result["vs_trl"]) and ("gpu_tests" not in parts or result["gpu_tests"])
+                and ("vs_trl" not in parts or result["vs_trl"]) and ("decode" not in parts or result["decode"])
+                and ("gpu_tests" not in parts or result["gpu_tests"])
                 and ("pipeline" not in parts or (result["pipeline"] and result["pipeline"]["ok"])))
     sys.exit(0 if complete else 1)
 

@@ -19,6 +19,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerFast
 
 from rlhf_core.config import RLConfig
+from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.rollout import last_layer_mlp
@@ -133,8 +134,8 @@ def warm_up() -> None:
     """Pay the process's one-time kernel initialization (seconds on CPU) before the clock starts."""
     model = init_causal_lm(tiny_gpt_neox_config(vocab_size=VOCAB_SIZE), seed=0)
     ids = torch.randint(2, VOCAB_SIZE, (4, PROMPT_LENGTH))
-    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=True,
-                   pad_token_id=0, eos_token_id=1)
+    decode(model, ids, torch.ones_like(ids, dtype=torch.bool), response_length=4, pad_token_id=0, stop_token_id=1,
+           choice=TokenChoice())
     model(input_ids=ids).logits.mean().backward()
 
 

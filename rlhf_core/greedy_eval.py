@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from rlhf_core import ops
 from rlhf_core.batching import pad, token_ids
-from rlhf_core.kv_cache import CACHE, GrowingCache
-from rlhf_core.rollout import Rollout, own_generation_config, reading_last, response_logits, stop_mask
+from rlhf_core.decode import TokenChoice, decode
+from rlhf_core.rollout import Rollout, response_logits, stop_mask
 from rlhf_core.scoring import GoldFn, Scorer
 
 
@@ -34,16 +34,8 @@ def greedy_rollout(policy: nn.Module, prompt_ids: Sequence[Sequence[int]], *, re
     parts = []
     for start in range(0, len(prompt_ids), batch_size):
         queries, query_mask = (t.to(device) for t in pad(prompt_ids[start:start + batch_size], pad_token_id, "left"))
-        # plain greedy: none of the model's own repetition penalties etc.; each decoding step reads its last position.
-        # synced_gpus=False: the weights are whole on this rank (one rank evaluates), even under ZeRO-3
-        with own_generation_config(policy), reading_last(policy, 1):
-            out = policy.generate(input_ids=queries, attention_mask=query_mask.long(), do_sample=False,
-                                  synced_gpus=False,
-                                  max_new_tokens=response_length, pad_token_id=pad_token_id, eos_token_id=stop_token_id,
-                                  **{CACHE: GrowingCache(queries.shape[1] + response_length)})
-        responses = out[:, queries.shape[1]:]
-        responses = torch.cat([responses, responses.new_full(
-            (len(responses), response_length - responses.shape[1]), pad_token_id)], dim=1)  # (b, R)
+        responses, _ = decode(policy, queries, query_mask, response_length=response_length, pad_token_id=pad_token_id,
+                              stop_token_id=stop_token_id, choice=TokenChoice(greedy=True))  # (b, R)
         if stop_token_id is not None:
             responses = ops.truncate_after_stop(responses, stop_token_id, pad_token_id)
         response_mask, contains_stop = stop_mask(responses, stop_token_id)

@@ -29,6 +29,7 @@ from rlhf_core import ops, ppo, rloo
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler, mini_batch_indices
+from rlhf_core.decode import TokenChoice, decode, graphs_available
 from rlhf_core.hub import save_tokenizer
 from rlhf_core.jsonio import atomic_path, read_json
 from rlhf_core.metrics import MetricAccumulator
@@ -38,7 +39,6 @@ from rlhf_core.rollout import (
     Rollout,
     gradient_checkpointing,
     response_logits,
-    sample_responses,
     stop_mask,
     token_values,
 )
@@ -218,11 +218,10 @@ class RLTrainer:
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:
         model, cfg = self.unwrapped, self.cfg
-        responses, sampled_logprobs = sample_responses(
-            model.policy, queries, query_mask, response_length=cfg.response_length, temperature=cfg.temperature,
-            pad_token_id=self.pad_token_id, stop_token_id=self.stop_token_id, top_k=cfg.top_k, top_p=cfg.top_p,
-            min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, noise_keys=noise_keys,
-            keep_logprobs=self._sampling_logprobs_exact)  # (b, R), (b, R) or None
+        responses, sampled_logprobs = decode(
+            model.policy, queries, query_mask, response_length=cfg.response_length, pad_token_id=self.pad_token_id,
+            stop_token_id=self.stop_token_id, choice=self.token_choice, noise_keys=noise_keys,
+            keep_logprobs=self._sampling_logprobs_exact, graphs=self._decode_graphs)  # (b, R), (b, R) or None
         if self.stop_token_id is not None:
             responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
         response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
@@ -239,6 +238,24 @@ class RLTrainer:
         values = None if model.value is None else token_values(model.value, parts) * response_mask
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, contains_stop=contains_stop, values=values)
+
+    @property
+    def token_choice(self) -> TokenChoice:
+        cfg = self.cfg
+        return TokenChoice(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p,
+                           repetition_penalty=cfg.repetition_penalty)
+
+    @property
+    def _decode_graphs(self) -> bool:
+        """Whether the rollout's decode steps replay CUDA graphs (`RLConfig.decode_graphs`)."""
+        if self.cfg.decode_graphs == "off":
+            return False
+        available = graphs_available(self.unwrapped.policy)
+        if self.cfg.decode_graphs == "on" and not available:
+            raise ValueError("train.decode_graphs=on: CUDA graphs need a CUDA device, a model whose KV cache is a "
+                             "plain static cache (no sliding-window or hybrid layers) and no ZeRO-3 partitioning; "
+                             "set it to auto or off")
+        return available
 
     @property
     def _sampling_logprobs_exact(self) -> bool:

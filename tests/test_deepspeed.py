@@ -94,7 +94,8 @@ def run_group(command: list[str], cwd: Path, timeout: int) -> None:
 def test_zero3_ranks_run_equal_forwards_and_no_collective_per_token(tmp_path):
     """2 ranks under ZeRO-3, the reference and reward model sharded: rank 0's rollout chunk shares a prompt and rank
     1's does not, yet the step finishes and updates as 1 process does; the collectives of a rollout do not grow
-    with the response length (the policy is gathered once, generation makes none per token)."""
+    with the response length (the policy is gathered once, generation makes none per token); on the gathered policy
+    the decode loop draws what transformers' generate draws."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "deepspeed_zero3.yaml"),
               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     run_group([*launch, str(SCRIPT), "two"], tmp_path, timeout=300)
@@ -104,6 +105,7 @@ def test_zero3_ranks_run_equal_forwards_and_no_collective_per_token(tmp_path):
         assert report["distributed_type"] == "DEEPSPEED", report
         counts = report["collectives"]
         assert counts["3"] == counts["9"] > 0, f"rank {rank}: collectives per rollout of 3 and 9 tokens: {counts}"
+        assert report["decode_equals_generate"], f"rank {rank}: the decode loop on the gathered policy left generate"
     one, two = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("one", "two"))
     assert one.keys() == two.keys() and any(k.startswith("ref.") for k in one)
     for name, tensor in one.items():

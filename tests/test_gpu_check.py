@@ -1,6 +1,6 @@
-"""`bench/gpu_check.sh --cpu-dry-run`: the GPU check's every part (the side-by-side against TRL, the gpu-marked tests,
-the DeepSpeed launches, the whole pipeline) at tiny shapes on the CPU, so the one GPU call can fail only for a
-reason that needs a GPU to show."""
+"""`bench/gpu_check.sh --cpu-dry-run`: the GPU check's every part (the side-by-side against TRL, the decode loop
+against generate, the gpu-marked tests, the DeepSpeed launches, the whole pipeline) at tiny shapes on the CPU, so
+the one GPU call can fail only for a reason that needs a GPU to show."""
 
 from __future__ import annotations
 
@@ -26,11 +26,13 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] and report["environment"]["device"].startswith("cpu")
     assert [(p["part"], p["exit"]) for p in report["parts"]] == [
-        ("env", 0), ("vs_trl", 0), ("gpu_tests", 0), ("pipeline", 0)]
+        ("env", 0), ("vs_trl", 0), ("decode", 0), ("gpu_tests", 0), ("pipeline", 0)]
     for algo in ("ppo", "rloo"):  # both sides ran and were timed
         row = report["vs_trl"][algo]
         assert row["ours"]["episodes_per_s"] > 0 and row["trl"]["episodes_per_s"] > 0
         assert set(row["ours"]["phases_s"]) >= {"rollout", "score", "update"}
+    decode = report["decode"]  # the decode loop drew generate's tokens (checked there) and was timed beside it
+    assert decode["shapes"] == "dry-run" and decode["ppo"]["decode_median_ms"] > 0 < decode["rloo"]["speedup_decode"]
     outcomes = report["gpu_test_outcomes"]
     assert len(outcomes) == 8 and set(outcomes.values()) == {"passed"}, outcomes
     ran = {(t["test"], t["algo"], t["variant"]) for t in report["gpu_tests"]}

@@ -18,6 +18,7 @@ from rlhf_core import ops
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
+from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.greedy_eval import greedy_rollout
 from rlhf_core.kv_cache import CACHE, GrowingCache
 from rlhf_core.metrics import MetricAccumulator
@@ -28,7 +29,6 @@ from rlhf_core.rollout import (
     distinct_prompts,
     position_ids,
     response_logits,
-    sample_responses,
     stop_mask,
     token_values,
 )
@@ -63,8 +63,8 @@ def test_stop_mask_keeps_through_first_stop():
 
 def test_sampled_responses_are_padded_after_stop(make_policy, prompts):
     queries, query_mask = pad(prompts[:32], 0, "left")
-    responses, _ = sample_responses(make_policy(), queries, query_mask, response_length=10, temperature=1.0,
-                                 pad_token_id=0, stop_token_id=1)
+    responses, _ = decode(make_policy(), queries, query_mask, response_length=10,
+                          choice=TokenChoice(temperature=1.0), pad_token_id=0, stop_token_id=1)
     assert responses.shape == (32, 10)
     mask, contains = stop_mask(responses, 1)
     assert (responses[~mask] == 0).all(), "everything after the stop token is padding"
@@ -80,8 +80,8 @@ def test_without_a_stop_token_sampling_never_stops_at_the_models_own_eos(make_po
     eos_bias[1], eos_bias[0] = 3.0, float("-inf")  # the pad id is never sampled: a 0 in a response is padding
     policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
     queries, query_mask = pad(prompts[:8], 0, "left")
-    responses, logprobs = sample_responses(policy, queries, query_mask, response_length=10, temperature=1.0,
-                                           pad_token_id=0, stop_token_id=None, keep_logprobs=True)
+    responses, logprobs = decode(policy, queries, query_mask, response_length=10,
+                                 choice=TokenChoice(temperature=1.0), pad_token_id=0, stop_token_id=None, keep_logprobs=True)
     assert (responses[:, :-1] == 1).any(), "EOS is sampled before the last token"
     assert (responses != 0).all(), "nothing is padded"
     parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
@@ -102,8 +102,8 @@ def test_sampling_and_greedy_decoding_ignore_the_models_own_generation_config(ma
     eos_bias[1] = 4.0  # EOS after EOS: what the model's n-gram blocking and suppress_tokens would forbid
     policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
     queries, query_mask = pad(prompts[:8], 0, "left")
-    responses, logprobs = sample_responses(policy, queries, query_mask, response_length=10, temperature=1.0,
-                                           pad_token_id=0, stop_token_id=None, keep_logprobs=True)
+    responses, logprobs = decode(policy, queries, query_mask, response_length=10,
+                                 choice=TokenChoice(temperature=1.0), pad_token_id=0, stop_token_id=None, keep_logprobs=True)
     assert ((responses[:, 1:] == 1) & (responses[:, :-1] == 1)).any(), "a token repeats: no n-gram blocking"
     parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
     torch.testing.assert_close(logprobs, ops.selective_log_softmax(response_logits(policy, parts, 1.0), responses),
@@ -258,9 +258,9 @@ def test_the_last_layers_mlp_runs_on_the_read_positions_only_and_every_read_valu
     assert scorer_seen[1:] == [R + 1, R, 0, R]
 
     del policy_seen[:]
-    sample_responses(policy, batch.queries, batch.query_mask, response_length=3, temperature=0.7, pad_token_id=0,
-                     stop_token_id=None)
-    assert policy_seen == [0, 1, 1, 1], "each shared prompt's prefill but its last token, then one per step"
+    decode(policy, batch.queries, batch.query_mask, response_length=3, choice=TokenChoice(temperature=0.7),
+           pad_token_id=0, stop_token_id=None)
+    assert policy_seen == [1, 1, 1], "each shared prompt's prefill read at its last position, then one per step"
 
 
 def batch_parts(batch: Rollout):
@@ -307,11 +307,11 @@ def test_the_mlp_cut_keeps_the_gradients_and_stays_off_where_it_cannot_hold(prom
 def test_generation_prefills_each_shared_prompt_once_with_the_same_samples(make_policy, prompts):
     batch = shared_prompt_batch(prompts)
     keys = ops.episode_keys(0, 0, torch.arange(len(batch)), torch.zeros(len(batch), dtype=torch.long))
-    kwargs = dict(response_length=8, temperature=0.7, pad_token_id=0, stop_token_id=1, keep_logprobs=True)
+    kwargs = dict(response_length=8, choice=TokenChoice(temperature=0.7), pad_token_id=0, stop_token_id=1,
+                  keep_logprobs=True)
     policy = make_policy()
-    shared, shared_logprobs = sample_responses(policy, batch.queries, batch.query_mask, noise_keys=keys, **kwargs)
-    alone = [sample_responses(policy, batch.queries[i:i + 1], batch.query_mask[i:i + 1], noise_keys=keys[i:i + 1],
-                              **kwargs)
+    shared, shared_logprobs = decode(policy, batch.queries, batch.query_mask, noise_keys=keys, **kwargs)
+    alone = [decode(policy, batch.queries[i:i + 1], batch.query_mask[i:i + 1], noise_keys=keys[i:i + 1], **kwargs)
              for i in range(len(batch))]  # one row per call: nothing shared
     assert torch.equal(shared, torch.cat([responses for responses, _ in alone]))
     lengths = stop_mask(shared, 1)[0].sum(1)  # after its stop token a row's log-probs are of no use

@@ -13,9 +13,10 @@ from test_trainer import make_trainer, params, tiny_config
 from rlhf_core import ops, rloo
 from rlhf_core.config import RLConfig
 from rlhf_core.data import mini_batch_indices
+from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import REFERENCE_FILE, list_checkpoints
-from rlhf_core.rollout import PolicyOutput, sample_responses
+from rlhf_core.rollout import PolicyOutput
 
 # ------------------------------------------------------------------ clip-higher
 
@@ -228,11 +229,11 @@ def test_reference_sync_is_refused_where_it_cannot_work(tokenizer, prompts, make
 def test_top_k_one_samples_the_most_likely_token(make_policy, prompts):
     queries = torch.tensor([prompts[0]] * 4)
     mask = torch.ones_like(queries, dtype=torch.bool)
-    responses, _ = sample_responses(make_policy(0), queries, mask, response_length=6, temperature=1.0,
-                                 pad_token_id=0, stop_token_id=None, top_k=1)
+    responses, _ = decode(make_policy(0), queries, mask, response_length=6, choice=TokenChoice(top_k=1),
+                          pad_token_id=0, stop_token_id=None)
     assert (responses == responses[0]).all(), "top_k=1 leaves one token to sample: every row is the same"
-    free, _ = sample_responses(make_policy(0), queries, mask, response_length=6, temperature=1.0, pad_token_id=0,
-                            stop_token_id=None)
+    free, _ = decode(make_policy(0), queries, mask, response_length=6, choice=TokenChoice(), pad_token_id=0,
+                     stop_token_id=None)
     assert not (free == free[0]).all()
 
 

@@ -10,12 +10,15 @@ one process.
    every rank. Episode-keyed sampling draws the same completions on any layout; the updated policy and value go to
    OUT.pt, for the test to compare with the 1-process run. The reference follows the policy (sync_ref_model), so
    that reference is compared too.
+3. The decode loop on the gathered policy (the gather-once path): its tokens and log-probs equal transformers'
+   `generate` with the same keyed draws (bench/generate_path.py), written to OUT.<rank>.json.
 Usage: python zero3_rollout.py OUT (writes OUT.pt and, on 2 ranks, OUT.json)
 """
 
 import json
 import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,11 +41,17 @@ for _name in COLLECTIVES:
     if hasattr(dist, _name):
         setattr(dist, _name, _counted(_name, getattr(dist, _name)))
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from generate_path import generate_responses  # noqa: E402
+
+from rlhf_core import ops  # noqa: E402
+from rlhf_core.batching import pad  # noqa: E402
 from rlhf_core.config import RLConfig, RuntimeConfig  # noqa: E402
+from rlhf_core.decode import TokenChoice, decode  # noqa: E402
 from rlhf_core.metrics import MetricAccumulator  # noqa: E402
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config  # noqa: E402
 from rlhf_core.rl_trainer import RLTrainer  # noqa: E402
-from rlhf_core.runtime import Runtime, modifiable  # noqa: E402
+from rlhf_core.runtime import Runtime, modifiable, whole_weights  # noqa: E402
 from rlhf_core.scoring import RewardModelScorer  # noqa: E402
 
 EPISODES, RESPONSE = 8, 6
@@ -73,6 +82,7 @@ def main(out: str) -> None:
         trainer.rollout(mine)
         counts[length] = sum(calls.values()) - before
     trainer.cfg = cfg
+    decode_equals_generate = decoded_as_generate(trainer, [prompts[i] for i in mine])
 
     batch, _ = trainer.compute_advantages(trainer.score(trainer.rollout(mine)))
     trainer.optimize(batch, MetricAccumulator())
@@ -83,10 +93,28 @@ def main(out: str) -> None:
         torch.save({**{k: v.float() for k, v in state.items()}, **reference}, f"{out}.pt")
     if world > 1:
         with open(f"{out}.{rank}.json", "w") as f:
-            json.dump({"distributed_type": str(acc.distributed_type.value), "collectives": counts}, f)
+            json.dump({"distributed_type": str(acc.distributed_type.value), "collectives": counts,
+                       "decode_equals_generate": decode_equals_generate}, f)
     acc.wait_for_everyone()
     if dist.is_initialized():  # before exit: gloo's threads outliving the interpreter can abort a finished rank
         dist.destroy_process_group()
+
+
+def decoded_as_generate(trainer: RLTrainer, prompts: list[list[int]]) -> bool:
+    """Whether the decode loop and `generate` draw the same tokens with the same log-probs from the policy
+    gathered once (`whole_weights`), as the rollout samples."""
+    queries, query_mask = pad(prompts, 0, "left")
+    keys = torch.arange(len(prompts)) + 11
+    with whole_weights(trainer.accelerator, trainer.model):
+        policy = trainer.unwrapped.policy
+        ours, our_logprobs = decode(policy, queries, query_mask, response_length=RESPONSE, pad_token_id=0,
+                                    stop_token_id=1, choice=TokenChoice(temperature=1.0), noise_keys=keys,
+                                    keep_logprobs=True)
+        theirs, their_logprobs = generate_responses(policy, queries, query_mask, response_length=RESPONSE,
+                                                    temperature=1.0, pad_token_id=0, stop_token_id=1, noise_keys=keys,
+                                                    keep_logprobs=True)
+    mask = ops.truncate_after_stop(theirs, 1, -1) != -1  # through each row's stop token
+    return torch.equal(ours, theirs) and torch.allclose(our_logprobs[mask], their_logprobs[mask], atol=1e-5)
 
 
 if __name__ == "__main__":

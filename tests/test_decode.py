@@ -1,0 +1,171 @@
+"""The rollout's own decode loop (rlhf_core.decode) against transformers' `generate` with the same draws.
+
+The reference is the sampling path the decode loop replaced (bench/generate_path.py): `generate` driven greedily
+over scores that single out a keyed draw. Same draws, same processors, same stop rule: the same tokens, and the
+same log-prob for every token through each row's stop token.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_rollout_scoring import tiny_decoder_config
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from conftest import TINY_VOCAB
+from rlhf_core import ops
+from rlhf_core.batching import pad
+from rlhf_core.decode import GRAPH_PROMPT_BUCKET, TokenChoice, decode, graphs_available
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from generate_path import generate_responses  # noqa: E402
+
+PAD, EOS, R = 0, 1, 10
+
+
+def left_padded_prompts(n: int = 12, shared: int = 0, seed: int = 0):
+    """n prompts of 2..8 tokens, left-padded; the first `shared` rows repeat prompt 0 (RLOO's samples)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 9, (n,), generator=generator).tolist()
+    prompts = [torch.randint(2, TINY_VOCAB, (length,), generator=generator).tolist() for length in lengths]
+    for i in range(1, shared):
+        prompts[i] = list(prompts[0])
+    return pad(prompts, PAD, "left")
+
+
+def biased(model, eos_bias: float):
+    """`model` with `eos_bias` added to EOS's logit and the pad id never drawn: rows stop at different steps."""
+    bias = torch.zeros(model.config.vocab_size)
+    bias[EOS], bias[PAD] = eos_bias, float("-inf")
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + bias)
+    return model
+
+
+def tiny(model_type: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_decoder_config(model_type)).eval()
+
+
+def assert_same_draws(ours, theirs):
+    (tokens, logprobs), (ref_tokens, ref_logprobs) = ours, theirs
+    assert torch.equal(tokens, ref_tokens)
+    through_stop = ops.truncate_after_stop(ref_tokens, EOS, -1) != -1  # (B, R) each row's tokens through its stop
+    torch.testing.assert_close(logprobs[through_stop], ref_logprobs[through_stop], rtol=0, atol=1e-5)
+    assert (logprobs[~through_stop] == 0).all(), "after a row's stop its log-probs are 0"
+
+
+def sample_both(model, queries, query_mask, *, keys=None, seed=None, **choice):
+    """(decode's draws, generate's draws) with the same keys, or from the same global stream (`seed`)."""
+    kwargs = dict(response_length=R, pad_token_id=PAD, stop_token_id=EOS, noise_keys=keys, keep_logprobs=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ours = decode(model, queries, query_mask, choice=TokenChoice(**choice), **kwargs)
+    if seed is not None:
+        torch.manual_seed(seed)
+    theirs = generate_responses(model, queries, query_mask, **choice, **kwargs)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "llama", "qwen2"])
+def test_sampling_draws_what_generate_draws_with_the_same_keys(model_type):
+    """Left-padded prompts of 2–8 tokens, rows stopping at different steps, some never: the same tokens and
+    log-probs across architectures (absolute positions, rotary, grouped-query attention)."""
+    model = biased(tiny(model_type), eos_bias=0.0)
+    queries, query_mask = left_padded_prompts()
+    keys = ops.episode_keys(0, 0, torch.arange(len(queries)), torch.zeros(len(queries), dtype=torch.long))
+    ours, theirs = sample_both(model, queries, query_mask, keys=keys, temperature=0.7)
+    assert_same_draws(ours, theirs)
+    stopped_at = ops.first_true_indices(ours[0] == EOS)
+    assert (stopped_at < R - 1).any() and (stopped_at == R).any(), "some rows stop early, some run to the end"
+    assert (~query_mask).any(), "some prompts are left-padded"
+
+
+def test_shared_prompts_processors_and_the_global_stream_draw_what_generate_draws():
+    """RLOO's rows sharing a prompt (prefilled once), the repetition penalty and the truncations applied in
+    `generate`'s order, and draws from the global random stream instead of keys."""
+    model = biased(tiny("llama", seed=1), eos_bias=1.0)
+    queries, query_mask = left_padded_prompts(n=8, shared=4)
+    keys = torch.arange(len(queries)) * 7919
+    for choice in ({"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.8, "repetition_penalty": 1.4},
+                   {"temperature": 1.0, "min_p": 0.05}):
+        assert_same_draws(*sample_both(model, queries, query_mask, keys=keys, **choice))
+    assert_same_draws(*sample_both(model, queries, query_mask, seed=5, temperature=0.9))
+
+
+def test_the_loop_ends_when_every_row_has_stopped():
+    """A policy that emits EOS almost surely: every row stops within a few tokens, the rest is padding, and no
+    forward runs after the step where the last row stopped (what generate does too)."""
+    model = biased(tiny("gpt_neox"), eos_bias=6.0)
+    queries, query_mask = left_padded_prompts(n=6)
+    keys = torch.arange(6)
+    assert_same_draws(*sample_both(model, queries, query_mask, keys=keys, temperature=1.0))
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    tokens, _ = decode(model, queries, query_mask, response_length=R, pad_token_id=PAD, stop_token_id=EOS,
+                       choice=TokenChoice(), noise_keys=keys)
+    last_stop = ops.first_true_indices(tokens == EOS).max().item()
+    assert last_stop < R - 2, "every row stopped early"
+    assert (tokens[:, last_stop + 1:] == PAD).all()
+    assert forwards == [queries.shape[1]] + [1] * last_stop, "the prefill, then a step per token until the last stop"
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_greedy_decoding_is_generates_greedy_search(model_type):
+    """Evaluation's greedy completions: transformers' own greedy search, token for token, with its stop and
+    padding (the model's generation config left out on both sides)."""
+    model = biased(tiny(model_type), eos_bias=0.2)
+    queries, query_mask = left_padded_prompts(n=10)
+    ours, none = decode(model, queries, query_mask, response_length=R, pad_token_id=PAD, stop_token_id=EOS,
+                        choice=TokenChoice(greedy=True))
+    config = GenerationConfig(max_new_tokens=R, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    theirs = model.generate(input_ids=queries, attention_mask=query_mask.long(), generation_config=config)
+    theirs = theirs[:, queries.shape[1]:]
+    theirs = torch.cat([theirs, theirs.new_full((len(theirs), R - theirs.shape[1]), PAD)], dim=1)
+    assert none is None and torch.equal(ours, theirs)
+    assert (ours == EOS).any(1).any() and not (ours == EOS).any(1).all(), "some rows stop, some do not"
+
+
+def test_a_lora_policy_draws_what_generate_draws():
+    """The policy as PEFT wraps it for LoRA training (adapter weights nonzero), and with the adapter off (the
+    reference): both decode as `generate` does."""
+    model = tiny("llama")
+    policy = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                              init_lora_weights=False))
+    biased(policy.get_base_model(), eos_bias=1.0)
+    queries, query_mask = left_padded_prompts(n=8, shared=2)
+    keys = torch.arange(8) + 3
+    adapted = sample_both(policy, queries, query_mask, keys=keys, temperature=0.8)
+    assert_same_draws(*adapted)
+    with policy.disable_adapter():
+        base = sample_both(policy, queries, query_mask, keys=keys, temperature=0.8)
+    assert_same_draws(*base)
+    assert not torch.equal(adapted[0][0], base[0][0]), "the adapter changes what is drawn"
+
+
+def test_the_static_cache_compiled_step_draws_what_the_eager_loop_draws():
+    """The CUDA-graph configuration (a static KV cache over all P + R slots, prompts left-padded to a width bucket,
+    shared prompts copied into the static buffers, the step compiled with fixed shapes) run on the CPU, where
+    torch.compile has no CUDA graphs but traces and compiles the same step: the same tokens and log-probs. A second
+    rollout of other prompts in the same bucket reuses the compiled step and its cache (no new graph)."""
+    from torch._dynamo.utils import counters
+
+    model = biased(tiny("llama", seed=2), eos_bias=1.0)
+    kwargs = dict(response_length=R, pad_token_id=PAD, stop_token_id=EOS, choice=TokenChoice(temperature=0.7),
+                  keep_logprobs=True)
+    graphs = []
+    for seed, shared in ((0, 3), (1, 0)):
+        queries, query_mask = left_padded_prompts(n=8, shared=shared, seed=seed)
+        assert queries.shape[1] % GRAPH_PROMPT_BUCKET, "the prompts get left-padded to the bucket"
+        keys = torch.arange(8) * 31 + seed
+        eager = decode(model, queries, query_mask, noise_keys=keys, **kwargs)
+        compiled = decode(model, queries, query_mask, graphs=True, noise_keys=keys, **kwargs)
+        assert torch.equal(compiled[0], eager[0])
+        torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0] > 0, "the second rollout compiled nothing new"
+    assert not graphs_available(model), "the trainer captures graphs on CUDA only"
