@@ -152,10 +152,12 @@ def test_register_refuses_a_nan_metric_and_ties_below_the_best_so_far(policy_roo
     nan = register(root, 0.9, 1.0, gold=math.nan)                       # v2: gold NaN
     assert not nan["promoted"] and "win_rate_gold is nan" in nan["reason"], nan
     assert client.get_registered_model(NAME).aliases["champion"] == 1
-    assert register(root, 0.795, 2.0)["promoted"]                       # v3: a tie with v1 at a lower KL
-    ratchet = register(root, 0.789, 1.0)                                # v4: a tie with v3, 0.011 below v1
+    infinite = register(root, 0.9, math.inf)                            # v3: an infinite KL
+    assert not infinite["promoted"] and "mean_kl is inf" in infinite["reason"], infinite
+    assert register(root, 0.795, 2.0)["promoted"]                       # v4: a tie with v1 at a lower KL
+    ratchet = register(root, 0.789, 1.0)                                # v5: a tie with v4, 0.011 below v1
     assert not ratchet["promoted"] and "best win_rate_gold so far (v1: 0.8)" in ratchet["reason"], ratchet
-    assert client.get_registered_model(NAME).aliases["champion"] == 3
+    assert client.get_registered_model(NAME).aliases["champion"] == 4
 
 
 def test_a_versions_source_run_holds_the_pipeline_params_and_evaluation(policy_root):

@@ -57,7 +57,6 @@ from tasks.common.registry import (
 )
 from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
 
-__all__ = ["Best", "Candidate", "Decision", "decide", "gate_metric", "promote", "read_eval", "run"]
 HEADLINE = ("win_rate_gold", "win_rate_rm", "mean_kl", "mean_score_gold", "mean_score_rm", "eos_rate", "mean_length")
 
 
@@ -142,6 +141,9 @@ def read_eval(path: Path, cfg: RegisterParams) -> dict[str, float]:
     except JsonFileError as err:
         raise RegisterError(str(err)) from err
     figures = numeric(data) if isinstance(data, dict) else {}
+    # numeric() leaves out infinities (MLflow cannot plot them); the gate must see them to refuse them by name
+    figures.update({k: v for k, v in (data.items() if isinstance(data, dict) else ())
+                    if isinstance(v, float) and math.isinf(v)})
     for key, why in ((gate_metric(cfg, figures), "register.primary_metric"), ("mean_kl", "the KL budget")):
         if key not in figures:
             raise RegisterError(f"{path}: no numeric {key!r} ({why}); keys: {', '.join(sorted(figures))}")
