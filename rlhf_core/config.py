@@ -113,6 +113,10 @@ class RLConfig(_Frozen):
     # objective
     kl_coef: float = Field(0.05, ge=0.0)
     """Weight beta of the KL(policy || reference) penalty in the reward."""
+    max_update_kl: float | None = Field(None, gt=0.0)
+    """Stop training (`TrainingDiverged`) after an update whose mean KL(policy || reference) per completion
+    (`objective/kl`) exceeds this, before it is checkpointed; None: no bound. NaN/inf in a loss, reward, gradient
+    norm or ratio always stops it."""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """Per-token KL estimator (Schulman): k1 = log p - log q, k3 = (r - 1) - log r."""
     cliprange: float = Field(0.2, gt=0.0)

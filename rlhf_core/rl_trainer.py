@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -50,6 +51,26 @@ ALGORITHMS = {"ppo": ppo, "rloo": rloo}
 REFERENCE_FILE = "reference.safetensors"
 """In a checkpoint of a run with sync_ref_model: the reference as it has followed the policy."""
 logger = logging.getLogger(__name__)
+
+GUARDED_PREFIXES = ("loss/", "objective/", "policy/", "val/ratio")
+"""The figures that stop training when NaN or inf: losses, rewards (objective/scores, objective/rlhf_reward,
+objective/kl), gradient norms and the policy ratio."""
+
+
+class TrainingDiverged(RuntimeError):
+    """An update's figures left their bounds (NaN/inf, or a KL above `max_update_kl`). Raised on every process at
+    the same update, after it was logged and before it was checkpointed; the message names the update, the figures
+    and the newest checkpoint, which stays the newest."""
+
+
+def out_of_bounds(metrics: Mapping[str, float], max_update_kl: float | None = None) -> dict[str, float]:
+    """The figures of one update's (reduced) metrics that stop training."""
+    bad = {k: v for k, v in metrics.items()
+           if k.startswith(GUARDED_PREFIXES) and isinstance(v, int | float) and not math.isfinite(v)}
+    kl = metrics.get("objective/kl")
+    if max_update_kl is not None and kl is not None and kl > max_update_kl:
+        bad["objective/kl"] = kl
+    return bad
 
 UpdateHook = Callable[["RLTrainer", Rollout, dict[str, Tensor]], None]
 """Called on the main process after each update with the trainer, the update's filled rollout batch (this
@@ -185,6 +206,7 @@ class RLTrainer:
             logs = self.log(batch, episode_stats, metrics, elapsed=time.perf_counter() - start,
                             episodes=self.state.episode - start_episode)
             history.append(logs)
+            self._guard(logs)
             if self.on_update is not None and self.accelerator.is_main_process:
                 self.on_update(self, batch, episode_stats)
             if self.checkpoint_dir and self._checkpoint_due():
@@ -357,6 +379,22 @@ class RLTrainer:
         if self.accelerator.is_main_process:
             self.tracker.log_metrics(logs, step=self.state.update)
         return logs
+
+    def _guard(self, logs: Mapping[str, float]) -> None:
+        """Stop after an update whose figures are out of bounds. `logs` were reduced across processes, so every
+        process reads the same figures and stops at the same update, with no collective of its own."""
+        bad = out_of_bounds(logs, self.cfg.max_update_kl)
+        if not bad:
+            return
+        figures = ", ".join(f"{k} = {v:.6g}" for k, v in sorted(bad.items()))
+        bound = (f" (train.max_update_kl = {self.cfg.max_update_kl})"
+                 if "objective/kl" in bad and math.isfinite(bad["objective/kl"]) else "")
+        kept = list_checkpoints(self.checkpoint_dir) if self.checkpoint_dir else []
+        where = (f"the last good checkpoint, {kept[-1]}, stays the newest" if kept else
+                 f"no checkpoint in {self.checkpoint_dir} yet" if self.checkpoint_dir else "nothing was checkpointed")
+        raise TrainingDiverged(f"update {self.state.update}: {figures}{bound}; training stopped before checkpointing "
+                               f"it ({where}). Lower train.learning_rate or train.max_grad_norm, raise train.kl_coef, "
+                               "or check the reward model's scores")
 
     def _sync_reference(self, optimizer_steps: int) -> None:
         """TR-DPO's soft update after every `ref_model_sync_steps`-th optimizer step (counted over the run)."""

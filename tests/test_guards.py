@@ -1,5 +1,6 @@
-"""The NaN/inf guard of RL training: the stage stops at the first non-finite loss, reward or gradient norm,
-naming the update and the quantity, before that update is checkpointed."""
+"""The guards of RL training (in RLTrainer, on by default): training stops at the first update with a NaN/inf loss,
+reward, gradient norm or ratio, or a KL above `train.max_update_kl`, naming the update and the figure, before that
+update is checkpointed; the train stage keeps the message."""
 
 from __future__ import annotations
 
@@ -7,32 +8,52 @@ import json
 
 import pytest
 import torch
+from test_trainer import make_trainer, tiny_config
 from typer.testing import CliRunner
 
 from cli.main import app
+from rlhf_core.rl_trainer import TrainingDiverged, list_checkpoints, out_of_bounds
 from rlhf_core.tracking import NullTracker
-from tasks.common.guards import NonFiniteGuard, NonFiniteTraining, non_finite
 
 TINY_TRAIN = ["train.total_episodes=64", "train.response_length=8", "train.checkpoint_every=1",
               "train.trace_every=0", "prepare.max_prompt_tokens=16"]
 
 
-def test_the_guard_names_the_update_and_the_quantity(tmp_path):
-    found = non_finite({"loss/policy_avg": 0.1, "objective/scores": float("nan"), "time/update_s": float("inf"),
-                        "policy/grad_norm": float("inf")})
-    assert sorted(found) == ["objective/scores", "policy/grad_norm"], found
+def test_the_bounds_name_each_figure_out_of_them():
+    figures = {"loss/policy_avg": 0.1, "objective/scores": float("nan"), "time/update_s": float("inf"),
+               "policy/grad_norm": float("inf"), "objective/kl": 3.0}
+    assert sorted(out_of_bounds(figures)) == ["objective/scores", "policy/grad_norm"], "timings are not guarded"
+    assert out_of_bounds(figures, max_update_kl=2.5)["objective/kl"] == 3.0
+    assert "objective/kl" not in out_of_bounds(figures, max_update_kl=3.0), "a bound is inclusive"
+
+
+def test_the_trainer_stops_at_the_update_whose_kl_exceeds_the_bound_before_checkpointing_it(
+        tmp_path, tokenizer, prompts, make_policy, make_scorer_model):
+    """`train.max_update_kl`: the update that crosses it is logged, not checkpointed, and the error names the update,
+    the KL, the bound and the newest checkpoint, which stays the newest; the updates before it were kept."""
     logged = []
 
     class Recorder(NullTracker):
         def log_metrics(self, metrics, step):
-            logged.append(step)
+            logged.append((step, metrics["objective/kl"]))
 
-    guard = NonFiniteGuard(Recorder(), tmp_path, lambda: tmp_path / "update-000002")
-    guard.log_metrics({"loss/policy_avg": 0.5}, 2)
-    with pytest.raises(NonFiniteTraining, match=r"update 3: loss/policy_avg = nan; training stopped before "
-                                                r"checkpointing it \(the last good checkpoint, .*update-000002, stays\)"):
-        guard.log_metrics({"loss/policy_avg": float("nan")}, 3)
-    assert logged == [2, 3], "the bad update is still logged"
+    def trainer(**bound):
+        cfg = tiny_config("rloo", total_episodes=32 * 4, learning_rate=3e-2, checkpoint_every=1, **bound)
+        return make_trainer(cfg, tokenizer, prompts, make_policy, make_scorer_model, tracker=Recorder(),
+                            checkpoint_dir=tmp_path / ("bounded" if bound else "free"))
+
+    kls = [row["objective/kl"] for row in trainer().train(max_updates=3)]
+    assert kls[0] < kls[2], f"a high learning rate drifts from the reference: {kls}"
+    bound = (kls[0] + kls[2]) / 2  # crossed at the second or third update, after a checkpoint
+    crossing = next(i for i, kl in enumerate(kls) if kl > bound) + 1
+    logged.clear()
+    with pytest.raises(TrainingDiverged, match=rf"update {crossing}: objective/kl = [0-9.]+ \(train.max_update_kl = "
+                                               rf"{bound}\); training stopped before checkpointing it \(the last "
+                                               r"good checkpoint, .*, stays the newest\)"):
+        trainer(max_update_kl=bound).train()
+    assert [step for step, _ in logged] == list(range(1, crossing + 1)), "the crossing update is logged too"
+    saved = [p.name for p in list_checkpoints(tmp_path / "bounded")]
+    assert saved == [f"update-{u:06d}" for u in range(1, crossing)], saved
 
 
 def test_a_nan_reward_stops_the_train_stage_before_any_checkpoint(workspace, make_policy, make_scorer_model,
