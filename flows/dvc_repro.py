@@ -41,9 +41,10 @@ class ReproResult:
 
     name: str
     returncode: int
-    ran: bool  # False: DVC found it unchanged and skipped it
+    ran: bool  # False: DVC found it unchanged and skipped it, or restored it from its run cache
     seconds: float
     log: Path
+    restored: bool = False  # DVC restored its outputs from the run cache: an earlier run had these inputs
 
 
 def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
@@ -101,10 +102,11 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
                 lines.close()
                 RUNNING.discard(proc)
                 STOPPED.discard(proc)
-        ran = bool((read_json_object(result_file) or {}).get("ran", False))
+        outcome = read_json_object(result_file) or {}
     finally:
         Path(result_file).unlink(missing_ok=True)
-    return ReproResult(name, proc.returncode, ran, time.monotonic() - start, log)
+    return ReproResult(name, proc.returncode, bool(outcome.get("ran", False)), time.monotonic() - start, log,
+                       restored=bool(outcome.get("restored", False)))
 
 
 def stop_stages(grace_s: float = STOP_GRACE_S) -> None:
@@ -151,20 +153,40 @@ def _error_chain(err: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool} to RESULT_JSON."""
+    """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool, "restored": bool}."""
     name, result_file = argv
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
+    restored: list[str] = []
     try:
         with Repo(".") as repo:
             repo.scm_context.quiet = True  # no "git add dvc.lock" hint after every stage
+            _note_run_cache_restores(repo, restored)
             ran = repo.reproduce(name, single_item=True)
     except DvcException as err:
         print(f"dvc: {_error_chain(err)}", file=sys.stderr)
         return 1
-    write_json(result_file, {"ran": bool(ran)})
+    # a stage DVC restored from its run cache "ran" for DVC (dvc.lock rewritten) but its command did not run
+    write_json(result_file, {"ran": bool(ran) and not restored, "restored": bool(restored)})
     return 0
+
+
+def _note_run_cache_restores(repo, restored: list[str]) -> None:
+    """Append to `restored` each stage this repo restores from DVC's run cache instead of running its command.
+
+    A wrapper on this Repo instance's StageCache.restore (DVC's stage.run calls it first, and it raises
+    RunCacheNotFoundError when no earlier run had the same params, deps and command), since reproduce() returns
+    restored and executed stages alike."""
+    restore = repo.stage_cache.restore
+
+    def noting_restore(stage, *args, **kwargs):
+        result = restore(stage, *args, **kwargs)
+        if not kwargs.get("dry"):
+            restored.append(stage.addressing)
+        return result
+
+    repo.stage_cache.restore = noting_restore
 
 
 if __name__ == "__main__":

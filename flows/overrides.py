@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -123,11 +124,15 @@ def planned_changes(root: str | Path, profile: str, overrides: list[str]) -> lis
     wanted: dict = {}
     for item in overrides:
         wanted = deep_merge(wanted, parse_override(item))
-    settings = {**flatten(wanted), "base.profile": profile}
+    # The profile's values go into params.yaml for the run too: DVC tracks params.yaml alone, so an edit of
+    # profiles/<name>.yaml reruns exactly the stages whose params sections it changes (the stages apply the
+    # same profile over params.yaml again: the values they read are the same).
+    profile_values = flatten(yaml.safe_load((Path(root) / PROFILES_DIR / f"{profile}.yaml").read_text()) or {}
+                             ) if profile != "demo" else {}
+    profile_values.pop("base.profile", None)
+    settings = {**profile_values, **flatten(wanted), "base.profile": profile}
     # the stages apply the profile over params.yaml: name the overridden keys it sets, so they keep the run's value
-    profile_keys = set(flatten(yaml.safe_load((Path(root) / PROFILES_DIR / f"{profile}.yaml").read_text()) or {})
-                       ) if profile != "demo" else set()
-    if outranked := sorted(key for key in flatten(wanted) if key in profile_keys):
+    if outranked := sorted(key for key in flatten(wanted) if key in profile_values):
         settings["base.run_overrides"] = outranked
     current = yaml.safe_load((Path(root) / PARAMS_FILE).read_text()) or {}
     return [(key, _get(current, key), value) for key, value in settings.items() if _get(current, key) != value]
@@ -200,6 +205,36 @@ def write_run_record(root: str | Path, record: dict) -> Path:
     path = Path(root) / RUNS_DIR / f"{started}-{str(record.get('flow_run_id', 'local'))[:8]}.json"
     write_json(path, record)
     return path
+
+
+def save_experiment(root: str | Path, name: str) -> str:
+    """`dvc exp save --name NAME --force`: the workspace as this run left it (params.yaml with the run's
+    overrides, dvc.lock, metrics/, the outputs in DVC's cache) as a DVC experiment, so `dvc exp show` and
+    `rlhf exps` pair the run's params with its results after params.yaml is restored. The workspace is left
+    as it is. Returns the experiment's name; raises ExperimentNotSaved with DVC's message."""
+    import sys
+
+    root = Path(root)
+    # metrics/ written by a first run is untracked: the experiment holds it (git-ignored files stay out)
+    untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", "metrics", "dvc.lock"],
+                               cwd=root, capture_output=True, text=True, timeout=60).stdout.split()
+    include = [arg for path in untracked for arg in ("--include-untracked", path)]
+    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "save", "--quiet", "--force", "--name", name,
+                           *include], cwd=root, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise ExperimentNotSaved(f"not saved as a DVC experiment: {(proc.stderr or proc.stdout).strip()[-500:]}")
+    return name
+
+
+class ExperimentNotSaved(RuntimeError):
+    """`dvc exp save` refused (no git commit yet, no git identity...): the run's results are still in the
+    workspace, MLflow and reports/runs/."""
+
+
+def experiment_name(run_name: str, started: str) -> str:
+    """A short, git-ref-safe DVC experiment name: the hash of the run's params (the end of its name,
+    profile-algo-hash) and when it started, e.g. c515ade-1126t050927."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{run_name.rsplit('-', 1)[-1]}-{started[4:15]}").strip("-").lower()
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:

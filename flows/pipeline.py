@@ -35,10 +35,13 @@ from flows import interrupt, reports
 from flows.dvc_repro import is_transient, log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import (
+    ExperimentNotSaved,
     describe,
+    experiment_name,
     local_edits,
     overrides_applied,
     restore_after_killed_run,
+    save_experiment,
     write_run_record,
 )
 from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
@@ -77,7 +80,10 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
                    f"last lines of {log}:\n{log_tail(log)}")
         ui_only.error("%s", message)
         return Failed(message=message)
-    outcome = {"stage": name, "ran": result.ran, "seconds": round(result.seconds, 1)}
+    outcome = {"stage": name, "ran": result.ran, "restored": result.restored, "seconds": round(result.seconds, 1)}
+    if result.restored:  # an earlier run had these params and inputs: its outputs are back, nothing recomputed
+        logger.info("stage %s: restored from DVC's run cache (an earlier run had the same inputs)", name)
+        return Completed(data=outcome, name="Cached", message="restored from DVC's run cache: not run again")
     if not result.ran:  # shown as "Cached" in the UI, not as a Completed run of the stage
         logger.info("stage %s: unchanged since dvc.lock, skipped", name)
         return Completed(data=outcome, name="Cached", message="unchanged since dvc.lock: DVC skipped it")
@@ -149,6 +155,8 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
         results, failed, reached = _run_stages(root, names, parent)
         _publish_reports(root, reached, parent)
         status = "FINISHED" if failed is None else "KILLED" if failed.is_cancelled() else "FAILED"
+        if failed is None and changes:  # before params.yaml is restored: the run's params beside its results
+            record["dvc_experiment"] = _save_experiment(root, record)
     finally:
         end_pipeline_run(parent, status, root)
         record.update(status=status, stages=results, failure=failed.message if failed is not None else None)
@@ -156,6 +164,20 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
     if failed is not None:
         return Cancelled(message=failed.message) if failed.is_cancelled() else Failed(message=failed.message)
     return {**record, "record": str(record_path)}
+
+
+def _save_experiment(root: Path, record: dict) -> str | None:
+    """This override run as its own DVC experiment (`dvc exp show`, `rlhf exps`); None with a warning when
+    DVC refuses, which fails nothing: the results are in the workspace, MLflow and the run record."""
+    logger = get_run_logger()
+    name = experiment_name(record["flow_run_name"] or "run", record["started"])
+    try:
+        save_experiment(root, name)
+    except ExperimentNotSaved as err:
+        logger.warning("%s", err)
+        return None
+    logger.info("saved as DVC experiment %s (`rlhf exps` lists it with its params and metrics)", name)
+    return name
 
 
 def _flow_run_name() -> str:

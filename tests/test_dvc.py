@@ -87,6 +87,14 @@ def test_repro_runs_skips_and_reruns_downstream(dvc_repo):
     experiments = json.loads(sh("dvc", "exp", "show", "--json", cwd=dvc_repo))
     baseline = next(e for e in experiments if e["rev"] != "workspace")
     assert baseline["experiments"], "the experiment is listed under its baseline commit"
+    # `rlhf exps`: the same rows, readable (dvc exp show has every param and metric, each cut to "…")
+    view = sh("rlhf", "exps", cwd=dvc_repo).splitlines()
+    header = view[0].split()
+    assert header[:4] == ["experiment", "created", "profile", "algo"] and "learning_rate" in header, view
+    assert {"win_gold", "win_rm", "eval_kl"} <= set(header) and len(header) <= 16, header
+    assert max(map(len, view)) <= 100, "\n".join(view)
+    [exp_row] = [line.split() for line in view[1:] if line.startswith("  ")]
+    assert exp_row[header.index("learning_rate")] == "0.001", view
     for row in (baseline, *(run["revs"][0] for run in baseline["experiments"])):
         metrics = row["data"]["metrics"]
         assert {"metrics/train.json", "metrics/eval.json"} <= set(metrics), row["rev"]
@@ -122,9 +130,12 @@ def test_plots_show_draws_the_train_history_and_the_pngs_offline(dvc_repo):
     history = json.loads((dvc_repo / "metrics" / "train_history.json").read_text())
     assert [row["update"] for row in history] == [1] and not any(k.startswith("time/") for k in history[0])
     shown = json.loads(sh("dvc", "plots", "show", "--json", cwd=dvc_repo))["data"]
-    for title in ("Reward over updates", "KL over updates", "Response length over updates"):
-        assert shown[title][0]["type"] == "vega", shown.keys()
-        assert "objective/scores" in json.dumps(shown["Reward over updates"][0]["content"])
+    # by title: train's KL chart is a stage plot (what keeps train in DVC's run cache), keyed by its file
+    titles = {key: plot[0]["content"].get("title") for key, plot in shown.items() if plot[0]["type"] == "vega"}
+    charts = {title.get("text") if isinstance(title, dict) else title: shown[key][0] for key, title in titles.items()}
+    assert set(charts) == {"Reward over updates", "KL over updates", "Response length over updates"}, shown.keys()
+    assert "objective/scores" in json.dumps(charts["Reward over updates"]["content"])
+    assert "objective/kl" in json.dumps(charts["KL over updates"]["content"])
     for png in ("reports/eval/reward_over_updates.png", "reports/eval/reward_vs_kl.png",
                 "reports/eval/response_lengths.png", "reports/inspection/scores.png"):
         assert shown[png][0]["type"] == "image", png
@@ -153,3 +164,26 @@ def test_an_unchanged_rerun_writes_the_same_dvc_lock_and_metrics(dvc_repo):
     train = json.loads((execution / "train.json").read_text())
     assert train["resumed_from_update"] == 0 and train["eps"] > 0 and "time/update_s" in train
     assert "time/update_s" in json.loads((execution / "train_log.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.slow
+def test_editing_a_profile_reruns_exactly_the_stages_it_feeds(dvc_repo):
+    """A run writes its profile's values into params.yaml (for that run), so DVC sees an edit of
+    profiles/<name>.yaml in the params sections it changes: here inspect's, and so inspect and what follows it."""
+    from flows.overrides import overrides_applied
+
+    profile = dvc_repo / "profiles" / "custom.yaml"
+    profile.parent.mkdir()
+    profile.write_text("base:\n  profile: custom\ninspect:\n  num_probes: 4\n")
+
+    def stale_with_profile() -> set[str]:
+        with overrides_applied(dvc_repo, "custom", []):
+            return set(json.loads(sh("dvc", "status", "--json", cwd=dvc_repo)))
+
+    with overrides_applied(dvc_repo, "custom", []):  # as if a run had run with the profile: dvc.lock has its values
+        sh("dvc", "commit", "--force", "--quiet", cwd=dvc_repo)
+    assert stale_with_profile() == set(), "nothing changed since"
+    profile.write_text(profile.read_text().replace("num_probes: 4", "num_probes: 6"))
+    assert stale_with_profile() == {"inspect"}, "inspect's params changed; its downstream waits for its outputs"
+    profile.write_text(profile.read_text() + "train:\n  kl_coef: 0.3\n")
+    assert stale_with_profile() == {"inspect", "train"}

@@ -204,6 +204,45 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
     assert "rlhf-policy v1: now" in proc.stdout, proc.stdout  # read from the registry
     assert (pipeline_repo / "params.yaml").read_text() == params_before
     assert (pipeline_repo / ".prefect").is_dir(), "the temporary server keeps its state under the repo"
+    assert parent.data.tags["rlhf.git_dirty"] == "false", "the run's own overrides do not make the code dirty"
+
+    # each override run is a DVC experiment: its params beside its results, though params.yaml is restored
+    [baseline] = [e for e in json.loads(sh("dvc", "exp", "show", "--json", cwd=pipeline_repo)) if e["rev"] != "workspace"]
+    saved = {run["name"]: run["revs"][0]["data"] for run in baseline["experiments"]}
+    assert {record["dvc_experiment"], second["dvc_experiment"]} <= set(saved), saved.keys()
+    for data in saved.values():
+        assert data["params"]["params.yaml"]["data"]["train"]["kl_coef"] == 0.07
+        assert "win_rate_rm" in data["metrics"]["metrics/eval.json"]["data"]
+    view = subprocess.run([BIN / "rlhf", "exps"], cwd=pipeline_repo, env=base_env(), capture_output=True,
+                          text=True, timeout=300).stdout
+    header, workspace_row = (line.split() for line in view.splitlines()[:2])
+    assert workspace_row[0] == "workspace" and "kl_coef" in header, view
+    assert workspace_row[header.index("kl_coef")] == "0.07", view  # the params its results were made with
+    assert "params.yaml now differs in train.kl_coef" in view, view
+
+    # override -> plain -> override: the third run has the first one's parameters, so DVC's run cache gives
+    # back train's outputs (and evaluate's): no training update, the first run's policy and metrics
+    first = {path: (pipeline_repo / path).read_bytes() for path in (
+        "metrics/train.json", "metrics/train_history.json", "metrics/eval.json", "models/policy/model.safetensors")}
+    traces = sorted(p.name for p in (pipeline_repo / "reports" / "trace").iterdir())
+    for overrides in ([], ["--set", "train.kl_coef=0.07"]):
+        proc = subprocess.run([BIN / "rlhf", "run", *overrides], cwd=pipeline_repo, env=base_env(COLUMNS="200"),
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plain, third = sorted((pipeline_repo / "reports" / "runs").glob("*.json"))[-2:]
+    plain, third = (json.loads(path.read_text())["stages"] for path in (plain, third))
+    assert next(s for s in plain if s["stage"] == "train")["ran"], "the plain run's kl_coef differs: it trains"
+    by_stage = {s["stage"]: s for s in third}
+    assert by_stage["train"]["restored"] and not by_stage["train"]["ran"], third
+    assert by_stage["evaluate"]["restored"] and not by_stage["evaluate"]["ran"], third
+    assert re.search(r"train\s*│\s*restored from DVC's run cache", proc.stdout), proc.stdout[-3000:]
+    third_parent = json.loads(max((pipeline_repo / "reports" / "runs").glob("*.json")).read_text())["mlflow_run_id"]
+    client = MlflowClient(f"sqlite:///{pipeline_repo / 'mlflow.db'}")
+    trained = client.search_runs([parent.info.experiment_id],
+                                 f"tags.mlflow.parentRunId = '{third_parent}' and tags.`rlhf.stage` = 'train'")
+    assert trained == [], "no train stage run, so no training update, in the third run"
+    assert {path: (pipeline_repo / path).read_bytes() for path in first} == first
+    assert sorted(p.name for p in (pipeline_repo / "reports" / "trace").iterdir()) == traces
 
 
 def test_bad_override_fails_before_anything_runs(failing_repo, in_process_api, monkeypatch):
@@ -267,7 +306,8 @@ def test_a_skipped_stage_shows_as_cached(failing_repo, in_process_api, monkeypat
     states = {t.name: t.state.name for t in tasks}
     assert states == {"ok": "Cached", "broken": "Failed"}, states
     record = json.loads(max((failing_repo / "reports" / "runs").glob("*.json")).read_text())
-    assert record["stages"] == [{"stage": "ok", "ran": False, "seconds": record["stages"][0]["seconds"]}]
+    assert record["stages"] == [{"stage": "ok", "ran": False, "restored": False,
+                                 "seconds": record["stages"][0]["seconds"]}]
 
 
 def test_second_run_refuses_naming_the_holder(failing_repo, in_process_api, monkeypatch):

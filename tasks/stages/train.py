@@ -2,6 +2,9 @@
 
 A rerun after a crash resumes from the newest checkpoint made from exactly these parameters and input
 models and prompts (a fingerprint is kept beside the checkpoints); any other checkpoints are discarded.
+The reward-flow traces are written beside the checkpoints too (a resumed run keeps those of the updates it
+does not redo) and copied to reports/trace/ at the end: no output is `persist`, so DVC keeps the stage in its
+run cache, and a run with the parameters of an earlier one restores its policy instead of training again.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def _prepare_outputs(paths: Paths, resumed: int) -> None:
         history_file.unlink(missing_ok=True)
     elif history_file.is_file():  # drop updates logged after the checkpoint: they will be redone
         write_jsonl(history_file, [h for h in read_jsonl(history_file) if h["step"] <= resumed])
-    _prune_traces(paths.reports / TRACE_DIR, resumed)
+    _prune_traces(paths.checkpoints / TRACE_DIR, resumed)
 
 
 def _trace_writer(params: Params, tokenizer, out: Path):
@@ -108,6 +111,14 @@ def _prune_traces(out: Path, resumed: int) -> None:
     for path in out.glob("update-*.*"):
         if int(path.stem.removeprefix("update-")) > resumed:
             path.unlink()
+
+
+def _publish_traces(paths: Paths) -> None:
+    """reports/trace/: the whole run's traces (resumed or not), from the scratch copy beside the checkpoints."""
+    out, scratch = paths.reports / TRACE_DIR, paths.checkpoints / TRACE_DIR
+    with atomic_path(out, directory=True) as tmp:
+        if scratch.is_dir():
+            shutil.copytree(scratch, tmp, dirs_exist_ok=True)
 
 
 def _write_history(path: Path, rows: list[dict]) -> None:
@@ -217,7 +228,7 @@ def run(params: Params, paths: Paths) -> dict:
             for row in read_jsonl(history_file):
                 stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
     trainer, tokenizer = build_trainer(params, paths, runtime, tracker=tracker, checkpoint_dir=paths.checkpoints)
-    trainer.on_update = _trace_writer(params, tokenizer, paths.reports / TRACE_DIR)  # called on the main rank
+    trainer.on_update = _trace_writer(params, tokenizer, paths.checkpoints / TRACE_DIR)  # called on the main rank
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
     total = trainer.plan.num_updates
@@ -229,6 +240,7 @@ def run(params: Params, paths: Paths) -> dict:
     if not main:
         return {}
     history = read_jsonl(history_file) if history_file.is_file() else []  # the whole run's, resumed or not
+    _publish_traces(paths)
     _write_history(paths.train_history, [results(row) for row in history])
     last = history[-1] if history else {}
     metrics = {**last, "resumed_from_update": resumed, **runtime.layout, "mixed_precision": acc.mixed_precision}
