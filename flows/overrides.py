@@ -215,12 +215,15 @@ def save_experiment(root: str | Path, name: str) -> str:
     import sys
 
     root = Path(root)
-    # metrics/ written by a first run is untracked: the experiment holds it (git-ignored files stay out)
-    untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", "metrics", "dvc.lock"],
-                               cwd=root, capture_output=True, text=True, timeout=60).stdout.split()
-    include = [arg for path in untracked for arg in ("--include-untracked", path)]
-    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "save", "--quiet", "--force", "--name", name,
-                           *include], cwd=root, capture_output=True, text=True, timeout=600)
+    try:
+        # metrics/ written by a first run is untracked: the experiment holds it (git-ignored files stay out)
+        untracked = subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "--", "metrics",
+                                    "dvc.lock"], cwd=root, capture_output=True, text=True, timeout=60).stdout.split()
+        include = [arg for path in untracked for arg in ("--include-untracked", path)]
+        proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "save", "--quiet", "--force", "--name", name,
+                               *include], cwd=root, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ExperimentNotSaved(f"not saved as a DVC experiment: {err}") from None
     if proc.returncode != 0:
         raise ExperimentNotSaved(f"not saved as a DVC experiment: {(proc.stderr or proc.stdout).strip()[-500:]}")
     return name
