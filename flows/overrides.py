@@ -235,9 +235,10 @@ class ExperimentNotSaved(RuntimeError):
 
 
 def experiment_name(run_name: str, started: str) -> str:
-    """A short, git-ref-safe DVC experiment name: the hash of the run's params (the end of its name,
-    profile-algo-hash) and when it started, e.g. c515ade-1126t050927."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{run_name.rsplit('-', 1)[-1]}-{started[4:15]}").strip("-").lower()
+    """A git-ref-safe DVC experiment name: the run's (profile, algorithm, overrides, start time), e.g.
+    demo-ppo-kl_coef-0.07-1126-150207; a name without the start time (no Prefect run) gets `started`'s."""
+    name = run_name if re.search(r"\d{4}-\d{6}(-\d+)?$", run_name) else f"{run_name}-{started[4:15]}"
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-").lower()
 
 
 def describe(changes: list[tuple[str, Any, Any]]) -> str:

@@ -143,7 +143,7 @@ def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
 
 def _run_with_params(root: Path, names: list[str], profile: str, overrides: list[str], changes: list,
                      edits: list) -> dict | State:
-    parent = start_pipeline_run(root, profile, overrides)  # '' when tracking is off
+    parent = start_pipeline_run(root, profile, overrides, name=flow_run.get_name())  # '' when tracking is off
     record = {"flow_run_id": flow_run.get_id() or "local", "flow_run_name": flow_run.get_name(),
               "profile": profile, "overrides": overrides, "params_changed": [list(c) for c in changes],
               "params_local_edits": [list(e) for e in edits], "mlflow_run_id": parent, "status": "RUNNING"}
@@ -181,13 +181,15 @@ def _save_experiment(root: Path, record: dict) -> str | None:
 
 
 def _flow_run_name() -> str:
-    """The Prefect run's name: the MLflow run's (profile-algo-params hash), not a random pair of words."""
+    """The Prefect run's name, which the MLflow run takes too: profile, algorithm, overrides and start time
+    (demo-ppo-kl_coef=0.07-1126-150207), not a random pair of words."""
     parameters = flow_run.parameters
+    overrides = list(parameters.get("overrides") or [])
     try:
-        params = load_params(Path.cwd(), parameters.get("profile"), list(parameters.get("overrides") or []))
+        params = load_params(Path.cwd(), parameters.get("profile"), overrides)
     except (ParamsError, OSError):  # a bad override fails the run with its message; the name needs none
         return f"{parameters.get('profile', 'demo')}-invalid-params"
-    return run_name(params)
+    return run_name(params, overrides)
 
 
 @flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, log_prints=False)

@@ -1,6 +1,8 @@
-"""The MLflow run of one pipeline run (the flow's parent of the stage runs): named profile-algo-params hash,
-opened with the resolved params and overrides, closed with dvc.lock, metrics/*.json and the headline metrics
-lifted onto it."""
+"""The MLflow run of one pipeline run (the flow's parent of the stage runs): named as its Prefect flow run,
+`<profile>-<algo>-<overrides>-<MMDD-HHMMSS>` (mlflow_store.run_name), tagged with the hash of its resolved
+params (`rlhf.params_hash`: runs of the same params share it), opened with the resolved params and overrides,
+closed with dvc.lock, metrics/*.json and the headline metrics lifted onto it. Opening it ends the RUNNING runs
+of processes that died (mlflow_store.end_runs_of_dead_processes)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,16 @@ from rlhf_core.jsonio import read_json_object
 from tasks.common.lineage import lineage_tags
 from tasks.common.mlflow_store import (
     TrackingError,
+    end_runs_of_dead_processes,
     experiment_id,
     experiment_url,
     get_client,
+    owner_tags,
     run_page_url,
     tracking_enabled,
+    unique_run_name,
 )
+from tasks.common.mlflow_store import run_name as _run_name
 from tasks.common.mlflow_tracker import MlflowTracker
 from tasks.common.params import Params, load_params
 from tasks.common.stage_tracking import OVERRIDES_TAG
@@ -30,12 +36,13 @@ log = logging.getLogger(__name__)
 _STATUS = {"COMPLETED": "FINISHED", "SUCCESS": "FINISHED", "CANCELLED": "KILLED", "CRASHED": "FAILED"}
 
 
-def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[str]) -> str:
+def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[str], name: str | None = None) -> str:
     """Open the parent run of one pipeline run and return its id ('' when tracking is off).
 
-    Params: the resolved parameters flattened (`train.kl_coef`, ...) and `overrides` verbatim. Tags:
-    lineage (git commit, dirty flag, profile, dvc.lock md5) and the overrides. Creates the store and
-    the experiment, so the stage processes that follow never race to create them."""
+    `name`: the Prefect flow run's (run_name's when None; made unique in the experiment). Params: the
+    resolved parameters flattened (`train.kl_coef`, ...) and `overrides` verbatim. Tags: lineage (git commit,
+    dirty flag, profile, dvc.lock md5), the params hash, the overrides and the owner process. Creates the store
+    and the experiment, so the stage processes that follow never race to create them."""
     if not tracking_enabled():
         return ""
     from flows.servers import ServerUnreachable, check_mlflow
@@ -48,18 +55,29 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
     params = load_params(root, profile, list(overrides))
     client = get_client(root)
     tags = {**lineage_tags(root, params.base.profile), "rlhf.kind": "pipeline", "rlhf.root": str(root),
-            OVERRIDES_TAG: json.dumps(list(overrides))}
-    run = client.create_run(experiment_id(client, root), run_name=run_name(params), tags=tags)
+            OVERRIDES_TAG: json.dumps(list(overrides)), PARAMS_HASH_TAG: params_hash(params), **owner_tags()}
+    exp = experiment_id(client, root)
+    name = unique_run_name(client, exp, name or run_name(params, overrides))
+    run = client.create_run(exp, run_name=name, tags=tags)
+    end_runs_of_dead_processes(client, exp, run.info.run_id, name)  # a run killed with -9 before this one
     MlflowTracker(client, run.info.run_id).log_params({**params.model_dump(mode="json"),
                                                        "overrides": json.dumps(list(overrides))})
     return run.info.run_id
 
 
-def run_name(params: Params) -> str:
-    """`<profile>-<algo>-<hash>`, e.g. demo-ppo-3f9a2c1: the hash is of the resolved parameters, so runs with
-    the same name ran the same parameters and a sweep's runs differ by name."""
-    digest = hashlib.md5(json.dumps(params.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-    return f"{params.base.profile}-{params.train.algo}-{digest[:7]}"
+PARAMS_HASH_TAG = "rlhf.params_hash"
+
+
+def run_name(params: Params, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The name of a pipeline run (Prefect's and MLflow's), e.g. demo-ppo-kl_coef=0.07-1126-150207: profile,
+    algorithm, the overrides, when it started (mlflow_store.run_name)."""
+    return _run_name(params.base.profile, params.train.algo, list(overrides))
+
+
+def params_hash(params: Params) -> str:
+    """7 hex digits of the resolved parameters: runs with the same hash (tag rlhf.params_hash) ran the same
+    parameters."""
+    return hashlib.md5(json.dumps(params.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:7]
 
 
 def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:

@@ -583,7 +583,8 @@ def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
         flow_runs = db.execute("select state_type, name from flow_run").fetchall()
         task_runs = dict(db.execute("select name, state_type from task_run").fetchall())
     assert [state for state, _ in flow_runs] == ["CANCELLED"], flow_runs
-    assert re.fullmatch(r"demo-ppo-[0-9a-f]{7}", flow_runs[0][1]), "named as the MLflow run, not at random"
+    # named by profile, algorithm, overrides and start time, as the MLflow run, not at random
+    assert re.fullmatch(r"demo-ppo-seed=4-\d{4}-\d{6}", flow_runs[0][1]) and mlflow_run.info.run_name == flow_runs[0][1]
     assert task_runs.get("slow") == "CANCELLED", task_runs
     with workspace_lock(sleeping_repo, wait_s=0):  # released
         pass

@@ -38,9 +38,15 @@ def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
 
     client = get_client(root)
     run = client.get_run(parent)
-    assert run.info.status == "FINISHED" and run.info.run_name == run_name(load_params(root, None, TINY))
-    assert re.fullmatch(r"demo-ppo-[0-9a-f]{7}", run.info.run_name)
-    assert run_name(load_params(root, None, [*TINY, "train.kl_coef=0.3"])) != run.info.run_name
+    # named by what it is: profile, algorithm, overrides (cut, with a count of the rest), start time
+    assert run.info.status == "FINISHED"
+    assert re.fullmatch(r"demo-ppo-sft_train=128,sft_eval=16\+16-\d{4}-\d{6}", run.info.run_name)
+    assert run_name(load_params(root, None, ["train.kl_coef=0.3"]), ["train.kl_coef=0.3"]).startswith(
+        "demo-ppo-kl_coef=0.3-")
+    again = start_pipeline_run(root, None, TINY)  # the same params (maybe in the same second): another name
+    assert client.get_run(again).info.run_name != run.info.run_name
+    assert client.get_run(again).data.tags["rlhf.params_hash"] == run.data.tags["rlhf.params_hash"]
+    end_pipeline_run(again, "COMPLETED", root)
     experiment = client.get_experiment(run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", "not MLflow's GenAI views"
     assert run.data.params["train.kl_coef"] == "0.05" and run.data.params["prepare.world.sft_train"] == "128"
@@ -51,22 +57,75 @@ def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
     assert run_url(parent, root).endswith(f"/runs/{parent}?workflowType=machine_learning")
 
     prepare, evaluate = iter_runs(root, parent)
-    assert (prepare.info.run_name, prepare.info.status) == ("prepare", "FINISHED")
+    assert (prepare.info.run_name, prepare.info.status) == (f"prepare · {run.info.run_name}", "FINISHED")
     assert prepare.data.params["prepare.world.sft_train"] == "128" and "base.seed" in prepare.data.params
     assert not any(k.startswith("train.") for k in prepare.data.params), "a stage logs only its own section"
     assert prepare.data.metrics["sft_train.rows"] > 0 and prepare.data.metrics["stage_seconds"] > 0
     assert {"metrics/prepare.json", "dvc.lock"} <= artifacts(client, prepare.info.run_id) | \
         artifacts(client, prepare.info.run_id, "metrics")
-    assert (evaluate.info.run_name, evaluate.info.status) == ("evaluate", "FAILED")
+    assert (evaluate.info.run_name, evaluate.info.status) == (f"evaluate · {run.info.run_name}", "FAILED")
     assert "error.txt" in artifacts(client, evaluate.info.run_id)
     data_tag = "rlhf.data.data/prompts_eval.jsonl"  # lineage: md5 of the stage's data inputs
     assert evaluate.data.tags[data_tag] == file_md5(root / "data" / "prompts_eval.jsonl")
 
     monkeypatch.delenv("RLHF_PARENT_RUN_ID")
     metrics = track_stage("prepare", root, load_params(root, None, TINY), lambda: {"kept": 1})
-    standalone = client.search_runs([run.info.experiment_id], "attributes.run_name = 'prepare'",
+    standalone = client.search_runs([run.info.experiment_id], "tags.`rlhf.stage` = 'prepare'",
                                     order_by=["attributes.start_time DESC"])[0]
     assert metrics == {"kept": 1} and "mlflow.parentRunId" not in standalone.data.tags
+    assert re.fullmatch(r"prepare · demo-ppo-\d{4}-\d{6}", standalone.info.run_name)
+
+
+def test_the_next_run_ends_the_runs_of_a_process_killed_with_sigkill(workspace):
+    """`kill -9` leaves a pipeline run and its stage run RUNNING; the next stage run, or pipeline run, marks
+    them KILLED and says which run found them. A run of a live process or of another host is left alone; a
+    run whose pid now belongs to a later process (another start time) is not mistaken for a live one."""
+    import signal
+    import subprocess
+    import sys
+
+    from tasks.common.mlflow_store import FOUND_DEAD_TAG, OWNER_HOST, OWNER_PID, OWNER_STARTED, owner_tags
+
+    root = workspace
+    child = ("import os, sys, time\n"
+             "from flows.pipeline_run import start_pipeline_run\n"
+             "from tasks.common.params import load_params\n"
+             "from tasks.common.stage_tracking import current_stage_run, track_stage\n"
+             "os.environ['RLHF_PARENT_RUN_ID'] = parent = start_pipeline_run('.', None, [])\n"
+             "def work():\n"
+             "    print(parent, current_stage_run().run_id, flush=True)\n"
+             "    time.sleep(600)\n"
+             "track_stage('prepare', '.', load_params('.'), work)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-c", child], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        killed = proc.stdout.readline().split()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(killed) == 2, "the child opened its pipeline run and stage run"
+    client = get_client(root)
+    exp = experiment_id(client, root)
+    assert {client.get_run(r).info.status for r in killed} == {"RUNNING"}, "what kill -9 leaves"
+    alive = client.create_run(exp, tags=owner_tags()).info.run_id  # this process's: alive
+    elsewhere = client.create_run(exp, tags={**owner_tags(), OWNER_HOST: "another-host"}).info.run_id
+
+    track_stage("prepare", root, load_params(root), lambda: {})  # the next run: a stage run
+    finder = client.search_runs([exp], "attributes.status = 'FINISHED'")[0]
+    for run_id in killed:
+        run = client.get_run(run_id)
+        assert run.info.status == "KILLED" and run.info.end_time is not None
+        assert f"when run {finder.info.run_name} ({finder.info.run_id}) started" in run.data.tags[FOUND_DEAD_TAG]
+    assert {client.get_run(r).info.status for r in (alive, elsewhere)} == {"RUNNING"}
+
+    # this pid, but not this process: it started at another time (the pid was reused)
+    reused = client.create_run(exp, tags={**owner_tags(), OWNER_STARTED: "1000.00"}).info.run_id
+    assert client.get_run(reused).data.tags[OWNER_PID] == str(os.getpid())
+    pipeline = start_pipeline_run(root, None, [])  # the next run: a pipeline run
+    assert client.get_run(reused).info.status == "KILLED"
+    assert f"({pipeline}) started" in client.get_run(reused).data.tags[FOUND_DEAD_TAG]
+    assert {client.get_run(r).info.status for r in (alive, elsewhere, pipeline)} == {"RUNNING"}
+    end_pipeline_run(pipeline, "COMPLETED", root)
 
 
 def test_an_experiment_made_without_the_kind_tag_gets_it(mlflow_root):
@@ -98,7 +157,7 @@ def test_stage_history_is_not_repeated_by_its_result(mlflow_root):
 
     track_stage("train", mlflow_root, load_params(mlflow_root), train)
     client = get_client(mlflow_root)
-    run = client.search_runs([experiment_id(client, mlflow_root)], "attributes.run_name = 'train'")[0]
+    run = client.search_runs([experiment_id(client, mlflow_root)], "tags.`rlhf.stage` = 'train'")[0]
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "objective/kl")) == [1, 2, 3]
     assert run.data.metrics["resumed_from_update"] == 0
 
@@ -115,7 +174,7 @@ def test_stage_reports_become_artifacts_and_tables(mlflow_root):
 
     track_stage("evaluate", root, load_params(root), evaluate)
     client = get_client(root)
-    run = client.search_runs([experiment_id(client, root)], "attributes.run_name = 'evaluate'")[0]
+    run = client.search_runs([experiment_id(client, root)], "tags.`rlhf.stage` = 'evaluate'")[0]
     assert run.data.metrics == {"win_rate_rm": 0.75}
     assert {"reports/eval/completions.jsonl", "reports/eval/plot.png"} <= artifacts(client, run.info.run_id,
                                                                                      "reports/eval")

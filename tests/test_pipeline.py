@@ -62,8 +62,9 @@ def test_run_writes_every_stage_output(workspace):
     assert not list(workspace.rglob("*.tmp")), "no temp outputs are left behind"
     client = get_client(workspace)  # every stage is an MLflow run; the policy is registered
     runs = client.search_runs([experiment_id(client, workspace)])
-    assert {r.info.run_name for r in runs} == set(STAGES)
-    train_run = next(r for r in runs if r.info.run_name == "train")
+    assert {r.data.tags["rlhf.stage"] for r in runs} == set(STAGES)
+    assert {r.info.run_name.split(" · ")[0] for r in runs} == set(STAGES), "named by stage, then by run"
+    train_run = next(r for r in runs if r.data.tags["rlhf.stage"] == "train")
     assert client.get_metric_history(train_run.info.run_id, "objective/kl"), "per-update metrics"
     assert json.loads((workspace / "metrics" / "register.json").read_text())["version"] == 1
 

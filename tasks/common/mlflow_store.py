@@ -5,17 +5,25 @@
 - `RLHF_TRACKING=off` switches tracking off; `RLHF_PARENT_RUN_ID` nests a stage run under a pipeline run.
 - A misconfiguration the user asked for (a tracking server or parent run that cannot be reached) is a
   TrackingError; the default local store is ours to manage.
+- Run names that tell runs apart (`run_name`, `stage_run_name`), and the process that owns each run (host,
+  pid, start time) so that the next run ends the RUNNING runs of a process that died (`end_runs_of_dead_processes`).
 
 mlflow is imported inside the functions that need it: importing this module is free.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import socket
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
 from tasks.common.errors import StageFailed
+
+log = logging.getLogger(__name__)
 
 EXPERIMENT_NAME = "rlhf-pipeline"  # MLFLOW_EXPERIMENT_NAME overrides it, as everywhere in MLflow
 PARENT_RUN_ENV = "RLHF_PARENT_RUN_ID"
@@ -121,3 +129,109 @@ def experiment_id(client, root: str | Path = ".") -> str:
     except MlflowException:  # another process created it first
         return client.get_experiment_by_name(name).experiment_id
 
+
+
+# ------------------------------------------------------------------------------------------ run names
+
+STAGE_SEP = " · "  # "train · demo-ppo-kl_coef=0.07-1126-150207": the stage, then its pipeline run
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.=,+-]+")
+
+
+def run_name(profile: str, algo: str, overrides: list[str] | tuple[str, ...] = (), when: datetime | None = None,
+             width: int = 40) -> str:
+    """`<profile>-<algo>[-<what changed>]-<MMDD-HHMMSS>`, e.g. demo-ppo-kl_coef=0.07-1126-150207: what changed
+    is the overrides by their last key (`train.kl_coef=0.07` -> kl_coef=0.07), cut to `width` characters with a
+    count of the rest; the start time (to the second) tells apart runs of the same parameters."""
+    what, shown = "", 0
+    for item in overrides:
+        key, _, value = item.partition("=")
+        part = _NAME_UNSAFE.sub("_", f"{key.rsplit('.', 1)[-1]}={value}")
+        if what and len(what) + 1 + len(part) > width:
+            break
+        what, shown = f"{what},{part}" if what else part[:width], shown + 1
+    if len(overrides) > shown:
+        what += f"+{len(overrides) - shown}"
+    stamp = (when or datetime.now()).strftime("%m%d-%H%M%S")
+    return "-".join(p for p in (profile, algo, what, stamp) if p)
+
+
+def stage_run_name(stage: str, pipeline_run_name: str) -> str:
+    """A stage run's name: `train · <its pipeline run's name>` (compare views then read which run it was)."""
+    return f"{stage}{STAGE_SEP}{pipeline_run_name}"
+
+
+def unique_run_name(client, exp_id: str, name: str) -> str:
+    """`name`, or `name-2`, `-3`... when the experiment already has a run of that name (two runs started in the
+    same second with the same overrides)."""
+    taken = {r.info.run_name for r in client.search_runs(
+        [exp_id], f"attributes.run_name LIKE '{name.replace(chr(39), '_')}%'", max_results=1000)}
+    candidate, n = name, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}-{n}"
+    return candidate
+
+
+# --------------------------------------------------------------- runs whose process died (kill -9, OOM)
+
+OWNER_HOST, OWNER_PID, OWNER_STARTED = "rlhf.owner.host", "rlhf.owner.pid", "rlhf.owner.started"
+FOUND_DEAD_TAG = "rlhf.found_dead"
+
+
+def _process_start(pid: int) -> float | None:
+    """When process `pid` started (seconds since the epoch), or None when there is no such process."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:  # exists, another user's: alive as far as we can tell
+        return float("nan")
+
+
+def owner_tags() -> dict[str, str]:
+    """What identifies the process that opens a run: host, pid and the pid's start time (a pid reused by a
+    later process has another start time)."""
+    started = _process_start(os.getpid())
+    return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(os.getpid()), OWNER_STARTED: f"{started:.2f}"}
+
+
+def owner_is_gone(tags: dict[str, str]) -> bool:
+    """Whether the run's owner, on this host, is no longer running. False for runs of other hosts (we cannot
+    see their processes) and runs that recorded no owner."""
+    if tags.get(OWNER_HOST) != socket.gethostname() or OWNER_PID not in tags:
+        return False
+    try:
+        pid, started = int(tags[OWNER_PID]), float(tags.get(OWNER_STARTED, "nan"))
+    except ValueError:
+        return False
+    now = _process_start(pid)
+    if now is None:
+        return True
+    # /proc's start time counts clock ticks from boot: the same process gives the same figure to 1/100 s
+    return abs(now - started) > 0.5 if now == now and started == started else False
+
+
+def end_runs_of_dead_processes(client, exp_id: str, by_run_id: str, by_run_name: str) -> list[str]:
+    """Mark KILLED every RUNNING run of the experiment whose owner process on this host is gone (killed with
+    SIGKILL, by the OOM killer, a machine that lost power), with a tag saying so and which run found it.
+    Returns their ids. Never fails the run that looks: a store error is a warning."""
+    ended = []
+    try:
+        for run in client.search_runs([exp_id], "attributes.status = 'RUNNING'", max_results=1000):
+            if run.info.run_id == by_run_id or not owner_is_gone(run.data.tags):
+                continue
+            tags = run.data.tags
+            started = datetime.fromtimestamp(float(tags[OWNER_STARTED])).isoformat(timespec="seconds") \
+                if tags.get(OWNER_STARTED, "nan") != "nan" else "?"
+            client.set_tag(run.info.run_id, FOUND_DEAD_TAG,
+                           f"its process (pid {tags[OWNER_PID]} on {tags[OWNER_HOST]}, started {started}) was gone "
+                           f"when run {by_run_name} ({by_run_id}) started: set to KILLED")
+            client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+            log.warning("MLflow run %s (%s) was RUNNING but its process %s is gone: set to KILLED",
+                        run.info.run_name, run.info.run_id, tags[OWNER_PID])
+    except Exception as err:  # cleaning up after another run never stops this one
+        log.warning("could not look for MLflow runs of dead processes: %s", err)
+    return ended

@@ -29,11 +29,16 @@ from tasks.common.mlflow_store import (
     TRACKING_ENV,
     TrackingError,
     asked_for_tracking,
+    end_runs_of_dead_processes,
     experiment_id,
     get_client,
     is_remote,
+    owner_tags,
+    run_name,
+    stage_run_name,
     tracking_enabled,
     tracking_uri,
+    unique_run_name,
 )
 from tasks.common.mlflow_tracker import MlflowTracker, numeric
 
@@ -86,7 +91,8 @@ def _section(params, stage: str) -> dict:
 def _open_stage_run(name: str, root: Path, params, overrides: list[str]) -> MlflowStageRun:
     client = get_client(root)
     parent_id = os.environ.get(PARENT_RUN_ENV, "").strip()
-    tags = {**lineage_tags(root, params.base.profile), **data_hashes(root, name), "rlhf.stage": name}
+    tags = {**lineage_tags(root, params.base.profile), **data_hashes(root, name), "rlhf.stage": name,
+            **owner_tags()}
     if parent_id:
         try:
             parent = client.get_run(parent_id)
@@ -96,10 +102,14 @@ def _open_stage_run(name: str, root: Path, params, overrides: list[str]) -> Mlfl
         exp = parent.info.experiment_id
         tags["mlflow.parentRunId"] = parent_id
         overrides = [*json.loads(parent.data.tags.get(OVERRIDES_TAG, "[]")), *overrides]
+        run_name_ = stage_run_name(name, parent.info.run_name)
     else:
         exp = experiment_id(client, root)
+        run_name_ = unique_run_name(client, exp, stage_run_name(name, run_name(
+            params.base.profile, params.train.algo, overrides)))
     tags[OVERRIDES_TAG] = json.dumps(overrides)
-    run = client.create_run(exp, run_name=name, tags=tags)
+    run = client.create_run(exp, run_name=run_name_, tags=tags)
+    end_runs_of_dead_processes(client, exp, run.info.run_id, run_name_)  # a run killed with -9 before this one
     stage_run = MlflowStageRun(client, run.info.run_id, exp, tracking_uri(root), overrides)
     stage_run.tracker.log_params(_section(params, name))
     return stage_run
