@@ -20,7 +20,7 @@ from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json, write_jsonl
 from rlhf_core.lora import save_lora_policy, with_lora
 from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_policy
-from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
+from rlhf_core.rl_trainer import RLTrainer, TrainingDiverged, list_checkpoints
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import (
     FunctionScorer,
@@ -33,9 +33,9 @@ from rlhf_core.scoring import (
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
 from tasks.common.datasets import read_split
+from tasks.common.errors import StageFailed
 from tasks.common.execution import results
 from tasks.common.gold_wiring import gold_fn
-from tasks.common.guards import NonFiniteGuard
 from tasks.common.model_checks import check_lora_settings, check_reward_model, check_tokenizers
 from tasks.common.params import Params
 from tasks.common.paths import Paths
@@ -233,9 +233,11 @@ def run(params: Params, paths: Paths) -> dict:
         trainer.load_checkpoint(checkpoint)
     total = trainer.plan.num_updates
     with progress_bar("train", total=total, completed=resumed, enabled=main) as update:
-        trainer.tracker = NonFiniteGuard(ProgressTracker(trainer.tracker, update, total),  # bar moves every update
-                                         paths.checkpoints, lambda: next(reversed(list_checkpoints(paths.checkpoints)), None))
-        trainer.train()
+        trainer.tracker = ProgressTracker(trainer.tracker, update, total)  # the bar moves every update
+        try:
+            trainer.train()
+        except TrainingDiverged as error:  # its message names the update, the figures and the newest checkpoint
+            raise StageFailed(str(error)) from None
     _save_policy(trainer, runtime, params, paths, tokenizer, main)
     if not main:
         return {}
