@@ -4,14 +4,21 @@ The handler raises nothing: an exception thrown into whatever the main thread is
 change, an MLflow write) would leave them half done. It records the signal and stops the running stage
 (flows/dvc_repro.stop_stages); the stage then fails, and the flow, seeing `received()`, ends the run as
 cancelled through its usual path: MLflow run KILLED, run record with the failure, lock released.
+
+A cancel from the Prefect UI arrives the same way: the runner of `rlhf serve` (or a worker) sends SIGTERM.
+The run then reads as a cancellation: one WARNING naming what was stopped (`cancelled`), no ERROR and no
+traceback from Prefect's engine (`CancellationReadsAsCancellation`).
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from prefect.exceptions import CancelledRun
 
 from flows.dvc_repro import stop_stages
 
@@ -48,3 +55,44 @@ def stop_on_signals() -> Iterator[None]:
 def exit_status(name: str) -> int:
     """The shell's exit status for a run stopped by signal `name`: 128 + its number (130 for SIGINT)."""
     return 128 + signal.Signals[name].value
+
+
+class CancellationReadsAsCancellation(logging.Filter):
+    """Prefect 3.8 logs a run that ends Cancelled by its own decision as an error, twice:
+
+    - the task engine logs every final state but Completed at ERROR: "Finished in state Cancelled(...)"
+      (prefect/task_engine.py, log_finished_message);
+    - the flow engine turns a flow's returned Cancelled state into a raised CancelledRun (engine.result()),
+      which run_flow logs at ERROR with its traceback, "Engine execution exited with unexpected exception"
+      (prefect/flow_engine.py, run_flow), and handle_engine_signals again unless the runner acknowledged the
+      outcome (prefect/engine.py).
+
+    Prefect's own cancellation (its SIGTERM bridge raising TerminationSignal) is not taken here: it would raise
+    into whatever the main thread is doing. So this filter, on those loggers for the flow's duration, turns the
+    first into a WARNING and drops the traceback of the second: the flow has said what was stopped."""
+
+    LOGGERS = ("prefect.task_runs", "prefect.flow_runs", "prefect.engine")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], CancelledRun):
+            return False
+        if record.levelno >= logging.ERROR and str(record.msg).startswith("Finished in state Cancelled("):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+@contextmanager
+def cancellation_reads_as_cancellation() -> Iterator[None]:
+    """CancellationReadsAsCancellation on Prefect's run loggers while the block runs and after it (the
+    engine logs CancelledRun once the flow function has returned); added once per process."""
+    for name in CancellationReadsAsCancellation.LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, CancellationReadsAsCancellation) for f in logger.filters):
+            logger.addFilter(CancellationReadsAsCancellation())
+    yield
+
+
+def cancelled_message(message: str) -> str:
+    """The line that says a run was cancelled: what was stopped, and what was put back."""
+    return (f"run cancelled: {message}; the stage's and the run's MLflow runs are KILLED, params.yaml is as "
+            "before the run and the workspace lock is released")

@@ -206,12 +206,16 @@ def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B00
     run = f"flow run {flow_run.get_name() or ''} ({flow_run.get_id() or 'local'})"
     logger = get_run_logger()
     try:
-        with interrupt.stop_on_signals(), workspace_lock(root, wait_for_lock_s, run=run, on_wait=logger.info,
-                                                         stop=interrupt.received):
-            return _run_locked(root, profile, list(overrides))
+        with interrupt.cancellation_reads_as_cancellation(), interrupt.stop_on_signals(), \
+                workspace_lock(root, wait_for_lock_s, run=run, on_wait=logger.info, stop=interrupt.received):
+            state = _run_locked(root, profile, list(overrides))
     except LockWaitStopped as err:
+        logger.warning("%s", err)
         return Cancelled(message=str(err))
     except (WorkspaceBusy, ParamsError, FileNotFoundError, TrackingError) as err:
         logger.error("%s", err)
         return Failed(message=str(err))
+    if isinstance(state, State) and state.is_cancelled():  # by a signal: Ctrl-C, a worker, Cancel in the UI
+        logger.warning("%s", interrupt.cancelled_message(state.message))
+    return state
 

@@ -518,13 +518,17 @@ SLEEP_MARK = "time.sleep(600.25)"  # a stage that runs until stopped, findable a
 def sleeping_repo(tmp_path, mlflow_db_template):
     """A pipeline whose second stage runs until it is stopped, tracking into its own MLflow store."""
     stages = {"ok": {"cmd": "echo fine > ok.txt", "outs": ["ok.txt"]},
-              "slow": {"cmd": f"python -c \"import time; print('slow stage started', flush=True); {SLEEP_MARK}\"",
+              # stopped, it says so in a line and exits, as `rlhf stage` does (no KeyboardInterrupt traceback)
+              "slow": {"cmd": "python -c \"import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: "
+                              "sys.exit('stage slow: interrupted')); print('slow stage started', flush=True); "
+                              f"{SLEEP_MARK}\"",
                        "deps": ["ok.txt"], "outs": ["never.txt"]},
               "after": {"cmd": "echo never > after.txt", "deps": ["never.txt"], "outs": ["after.txt"]}}
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     (tmp_path / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
     (tmp_path / ".gitignore").write_text("mlflow.db\nmlartifacts/\n.prefect/\nreports/\n")
     shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")
+    shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")  # what `rlhf serve` serves
     return git_dvc_repo(tmp_path)
 
 
@@ -540,48 +544,109 @@ def processes_in(directory: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_signal_stops_the_run_cleanly(sleeping_repo, sig):
-    """Ctrl-C (SIGINT to the terminal's whole process group) or a worker's SIGTERM (to `rlhf run` alone)
-    in the middle of a stage: the stage stops, the Prefect run ends Cancelled, the MLflow run KILLED, the
-    run record names the failure, the lock is free, no process is left, one message, within seconds."""
+def _run_until_slow_stage(cwd: Path, command: list, env: dict, out) -> tuple[subprocess.Popen, list[str]]:
+    """`command` in its own session, its output read into the returned list (and `out`, when given)."""
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if out is not None:
+                out.write(line)
+    threading.Thread(target=read, daemon=True).start()
+    return proc, lines
+
+
+def _wait_for(condition, proc: subprocess.Popen, lines: list[str]) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-5000:]
+        time.sleep(0.2)
+
+
+def _cancel_from_the_prefect_ui(sleeping_repo: Path, api: str, tmp_path_factory) -> tuple[object, list, list, str]:
+    """`rlhf serve`, a run of its manual deployment, then Cancel as the UI's button does (the flow run set to
+    Cancelling; the runner delivers it as SIGTERM). Returns the flow run, its logs, its task runs, and what
+    `rlhf serve` printed."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Cancelling
+
+    home = tmp_path_factory.mktemp("serve-cancel")
+    with temporary_settings(updates={PREFECT_API_URL: api}), (home / "serve.log").open("w", buffering=1) as log:
+        serve, lines = _run_until_slow_stage(sleeping_repo, [BIN / "rlhf", "serve"],
+                                             base_env(PREFECT_API_URL=api, PREFECT_HOME=str(home)), log)
+        try:
+            wait_for_deployment("rlhf-pipeline/manual", serve, home / "serve.log")
+            run = run_deployment("rlhf-pipeline/manual", parameters={"overrides": ["base.seed=4"]}, timeout=0)
+            _wait_for(lambda: any("slow stage started" in line for line in lines), serve, lines)
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(run.id, Cancelling(message="cancelled from the UI"))
+                _wait_for(lambda: client.read_flow_run(run.id).state.is_final(), serve, lines)
+                # the flow run's process has ended (its last log records sent): only `rlhf serve` is left
+                _wait_for(lambda: all(p.rstrip().endswith("rlhf serve") for p in processes_in(sleeping_repo)),
+                          serve, lines)
+                run = client.read_flow_run(run.id)
+                logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+                tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        finally:
+            serve.terminate()
+            serve.wait(timeout=60)
+    return run, logs, tasks, "".join(lines)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "prefect-ui"])
+def test_a_signal_stops_the_run_cleanly(sleeping_repo, how, request, tmp_path_factory):
+    """Ctrl-C (SIGINT to the terminal's whole process group), a worker's SIGTERM (to `rlhf run` alone), or
+    Cancel in the Prefect UI (a served run; the runner sends SIGTERM) in the middle of a stage: the stage
+    stops, the Prefect run ends Cancelled and reads as a cancellation (a warning naming the stage, no ERROR, no
+    traceback), the MLflow run KILLED, the run record names the failure, the lock is free, no process is left."""
     import sqlite3
 
     from mlflow import MlflowClient
 
     params_before = (sleeping_repo / "params.yaml").read_text()
-    proc = subprocess.Popen([BIN / "rlhf", "run", "--set", "base.seed=4"], cwd=sleeping_repo, env=base_env(),
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + STARTUP_S
-    while not any("slow stage started" in line for line in lines):
-        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-        time.sleep(0.2)
-    stopped_at = time.monotonic()
-    if sig == signal.SIGINT:
-        os.killpg(proc.pid, sig)  # what a terminal does on Ctrl-C
+    sig = signal.SIGINT if how == "ctrl-c" else signal.SIGTERM
+    if how == "prefect-ui":
+        run, logs, tasks, output = _cancel_from_the_prefect_ui(sleeping_repo, request.getfixturevalue("prefect_api"),
+                                                               tmp_path_factory)
+        flow_runs = [(run.state.type.value, run.name)]
+        task_runs = {t.name: t.state.type.value for t in tasks}
+        assert not [log.message for log in logs if log.level >= 40], "an ERROR in the flow run's log"
+        assert not [log.message for log in logs if "Traceback" in log.message or "CancelledRun" in log.message]
+        assert any(log.level in (20, 30) and "stage 'slow' stopped by SIGTERM" in log.message for log in logs), \
+            [log.message for log in logs]
+        assert "Traceback" not in output and "CancelledRun" not in output and " ERROR " not in output, output
     else:
-        proc.send_signal(sig)  # what a Prefect worker does to the flow's process
-    proc.wait(timeout=60)
-    seconds = time.monotonic() - stopped_at
-    reader.join(timeout=10)
-    output = "".join(lines)
-    assert proc.returncode == 128 + sig, output
-    assert seconds < 15, f"took {seconds:.1f} s to stop\n{output}"
-    assert output.count("interrupted:") == 1 and f"stopped by {sig.name}" in output, output
-    assert "Traceback" not in output, output
+        proc, lines = _run_until_slow_stage(sleeping_repo, [BIN / "rlhf", "run", "--set", "base.seed=4"],
+                                            base_env(), None)
+        _wait_for(lambda: any("slow stage started" in line for line in lines), proc, lines)
+        stopped_at = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # what a terminal does on Ctrl-C
+        else:
+            proc.send_signal(sig)  # what a Prefect worker does to the flow's process
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - stopped_at
+        time.sleep(0.5)  # the reader's last lines
+        output = "".join(lines)
+        assert proc.returncode == 128 + sig, output
+        assert seconds < 15, f"took {seconds:.1f} s to stop\n{output}"
+        assert output.count("interrupted:") == 1 and f"stopped by {sig.name}" in output, output
+        assert "Traceback" not in output, output
+        with sqlite3.connect(sleeping_repo / ".prefect" / "prefect.db") as db:
+            flow_runs = db.execute("select state_type, name from flow_run").fetchall()
+            task_runs = dict(db.execute("select name, state_type from task_run").fetchall())
 
     [record] = [json.loads(p.read_text()) for p in (sleeping_repo / "reports" / "runs").glob("*.json")]
     assert record["status"] == "KILLED" and f"stage 'slow' stopped by {sig.name}" in record["failure"]
     assert [s["stage"] for s in record["stages"]] == ["ok"]
     mlflow_run = MlflowClient(f"sqlite:///{sleeping_repo / 'mlflow.db'}").get_run(record["mlflow_run_id"])
     assert mlflow_run.info.status == "KILLED"
-    with sqlite3.connect(sleeping_repo / ".prefect" / "prefect.db") as db:
-        flow_runs = db.execute("select state_type, name from flow_run").fetchall()
-        task_runs = dict(db.execute("select name, state_type from task_run").fetchall())
     assert [state for state, _ in flow_runs] == ["CANCELLED"], flow_runs
     # named by profile, algorithm, overrides and start time, as the MLflow run, not at random
     assert re.fullmatch(r"demo-ppo-seed=4-\d{4}-\d{6}", flow_runs[0][1]) and mlflow_run.info.run_name == flow_runs[0][1]
