@@ -67,41 +67,47 @@ def matmul_params(model: nn.Module) -> int:
 
 def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
     """Model FLOPs one update runs, the dense-matmul count (2 per weight per token forward, 6 forward + backward;
-    attention scores left out, small at these lengths), as this trainer computes it:
+    attention scores left out, small at these lengths), forward by forward as this trainer runs them:
 
-        rollout   generation (prefill over the prompts, the KV cache for the R sampled tokens), the policy's
-                  forward unless its log-probs come from the sampling logits (plain fp32), the reference's
-                  forward with the LM head on the R response positions, PPO's value forward
+        rollout   the decode loop (a prefill of the prompts read at their last position, then R - 1 one-token
+                  steps: the last drawn token is never fed back), the policy's forward unless its log-probs
+                  come from the sampling logits (plain fp32), the reference's forward, PPO's value forward
         score     the reward model's forward
-        update    num_epochs × (forward + backward) of the policy (and PPO's value model)
+        update    num_epochs x (forward + backward) of the policy (and PPO's value model)
 
-    With RLOO's k samples per prompt, a shared prompt's tokens count once (`rollout.shared_prompt_forward`):
-    n·P + B·R tokens instead of B·(P + R) for n prompts and B = k·n episodes. Every forward is read at ~B·R
-    positions, the only ones where the LM head and the last layer's MLP run (`rollout.reading_last`).
+    A forward over B prompts of P and responses of R tokens runs B·(P + R) tokens, the LM head and the last layer's
+    MLP on the R + 1 last positions only (`rollout.reading_last`). With RLOO's k samples per prompt, each of the
+    n = B / k distinct prompts runs once and is read at its last position, then the R - 1 response tokens a log-prob
+    needs (R for a reward score) run on its copied KV cache (`rollout.shared_prompt_forward`). tests/test_bench.py
+    checks the sum against torch's own FLOP counter over a real update.
     """
     cfg, model = trainer.cfg, trainer.unwrapped
     policy, value = model.policy, model.value
     head = policy.get_output_embeddings().weight.numel()
     B, P, R, k = trainer.plan.batch_size, prompt_length, cfg.response_length, cfg.samples_per_prompt
-    full = B * (P + R)
-    shared = B // k * P + B * R if k > 1 else full  # what a forward over prompts shared by k samples reads
-    read = B * R  # the positions every forward reads: the LM head and the last layer's MLP run there only
+    n = B // k  # distinct prompts
 
-    def forward(model: nn.Module, tokens: int, lm_head: bool = False) -> int:
+    def forward(model: nn.Module, tokens: int, read: int, lm_head: bool = False) -> int:
+        """`tokens` through the body, the LM head and the last layer's MLP on the `read` positions only."""
         body = matmul_params(model) - (head if lm_head else 0)
         last_mlp = last_layer_mlp(model)
         cut = 0 if last_mlp is None else matmul_params(last_mlp) * (tokens - read)
         return 2 * (body * tokens - cut + (head * read if lm_head else 0))
 
-    generation = forward(policy, shared, lm_head=True)  # prefill, then one token at a time
-    policy_tokens = shared if trainer.share_prompts else full
-    policy_forward = forward(policy, policy_tokens, lm_head=True)
+    def logprob_forward(shared: bool) -> int:
+        if shared:
+            return forward(policy, n * P + B * (R - 1), n + B * (R - 1), lm_head=True)
+        return forward(policy, B * (P + R), B * (R + 1), lm_head=True)
+
+    generation = forward(policy, n * P + B * (R - 1), n + B * (R - 1), lm_head=True)  # n = B when k is 1
+    policy_forward = logprob_forward(trainer.share_prompts)
     rollout_policy = 0 if trainer._sampling_logprobs_exact else policy_forward
-    value_forward = 0 if value is None else forward(value, full)
+    reference_forward = logprob_forward(k > 1)  # the reference always shares prompts that are shared
+    value_forward = 0 if value is None else forward(value, B * (P + R), B * (R + 1))
     reward = getattr(trainer.scorer, "model", None)
-    reward_forward = 0 if reward is None else forward(reward, shared)
+    reward_forward = 0 if reward is None else (forward(reward, n * P + B * R, B * R) if k > 1
+                                               else forward(reward, B * (P + R), B * R))
     update = cfg.num_epochs * 3 * (policy_forward + value_forward)
-    reference_forward = forward(policy, shared, lm_head=True)
     return float(generation + rollout_policy + reference_forward + value_forward + reward_forward + update)
 
 

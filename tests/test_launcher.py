@@ -80,8 +80,22 @@ def stage_train(root: Path, overrides: list[str], profile: str | None = None) ->
     if profile is not None:  # profiles/<profile>.yaml of the repo, beside the workspace's params.yaml
         shutil.copytree(REPO / "profiles", root / "profiles", dirs_exist_ok=True)
         args = ["--profile", profile, *args]
-    return subprocess.run([RLHF, "stage", "train", *args], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+    # its own process group (= its pid): whatever it leaves behind is found there, and nothing else on the machine
+    with subprocess.Popen([RLHF, "stage", "train", *args], cwd=root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        stdout, stderr = proc.communicate(timeout=600)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    result.pid = proc.pid
+    return result
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group `pgid` is still there."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.mark.slow
@@ -127,8 +141,7 @@ def test_a_failing_rank_fails_the_stage_with_its_error_and_leaves_no_process(wor
     proc = stage_train(workspace, LAYOUTS[2])  # no SFT policy yet: every rank fails to load it
     assert proc.returncode != 0
     assert "could not load" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert not any(f"{RLHF} stage train" in line for line in ps.splitlines()), "every rank is gone"
+    assert not group_alive(proc.pid), "every rank and the launcher are gone"
 
 
 def test_a_batch_the_processes_cannot_fill_fails_before_any_model_loads(workspace):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import copy
 import json
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -74,14 +74,13 @@ def test_pickle_weights_are_refused(tmp_path, make_policy):
         load_policy(tmp_path)
 
 
-def test_unreachable_hub_id_fails_fast_and_clearly(monkeypatch):
+@pytest.mark.timeout(120)  # a hang fails the test; a busy machine's slowness does not
+def test_unreachable_hub_id_fails_clearly_and_never_hangs(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    start = time.perf_counter()
     with pytest.raises(OSError, match="cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"):
         load_policy("cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr")
     with pytest.raises(SourceError, match="trl-lib/tldr.*HF_HUB_OFFLINE"):
         load_rows("trl-lib/tldr", split="train")
-    assert time.perf_counter() - start < 30, "offline hub access must fail fast, not hang"
 
 
 def test_rows_from_jsonl_json_parquet_and_saved_datasets(tmp_path):
@@ -149,8 +148,9 @@ def test_bad_model_inputs_are_named_before_anything_loads(train_workspace, make_
     make_policy().save_pretrained(train_workspace / "causal")
     with pytest.raises(ModelInputError, match="causal: the reward model is a GPTNeoXForCausalLM, not a sequence"):
         check_reward_model(train_workspace / "causal")
-    tiny_config.num_labels = 2
-    GPTNeoXForSequenceClassification(tiny_config).save_pretrained(train_workspace / "two")
+    two_labels = copy.deepcopy(tiny_config)  # the fixture is the session's: other tests read it unchanged
+    two_labels.num_labels = 2
+    GPTNeoXForSequenceClassification(two_labels).save_pretrained(train_workspace / "two")
     with pytest.raises(ModelInputError, match="num_labels=2"):
         check_reward_model(train_workspace / "two")
     word_tokenizer(20).save_pretrained(train_workspace / "other")

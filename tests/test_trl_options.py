@@ -4,6 +4,7 @@ names, reference sync, generation kwargs, and their validation."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 
 import pytest
@@ -11,12 +12,13 @@ import torch
 from test_trainer import make_trainer, params, tiny_config
 
 from rlhf_core import ops, rloo
+from rlhf_core.batching import pad
 from rlhf_core.config import RLConfig
 from rlhf_core.data import mini_batch_indices
 from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rl_trainer import REFERENCE_FILE, list_checkpoints
-from rlhf_core.rollout import PolicyOutput
+from rlhf_core.rollout import PolicyOutput, response_logits
 
 # ------------------------------------------------------------------ clip-higher
 
@@ -52,6 +54,30 @@ def test_clip_ratios_count_each_side_as_a_naive_loop_does():
     assert out["clip_ratio/low_mean"].item() == pytest.approx(low / n)
     assert out["clip_ratio/high_mean"].item() == pytest.approx(high / n)
     assert out["clip_ratio/region_mean"].item() == pytest.approx((low + high) / n)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "rloo"])
+def test_epsilon_high_reaches_the_trainers_loss(algo, tokenizer, prompts, make_policy, make_scorer_model):
+    """A batch whose old log-probs put every ratio at 1.25: where the advantage is positive the symmetric clip
+    (cliprange 0.2) stops the gradient and epsilon_high 0.28 lets it through, so the policy's update differs;
+    epsilon_high equal to cliprange is the symmetric clip, to the last bit."""
+    updates, clipped = {}, {}
+    for high in (None, 0.2, 0.28):
+        cfg = tiny_config(algo, total_episodes=32, epsilon_high=high, num_epochs=1)
+        trainer = make_trainer(cfg, tokenizer, prompts, make_policy, make_scorer_model)
+        batch, _ = trainer.compute_advantages(trainer.score(trainer.rollout(list(range(32 // cfg.samples_per_prompt)))))
+        # every ratio 1.25: per token (PPO), or per sequence of summed log-probs (RLOO's default)
+        lengths = batch.response_lengths[:, None] if algo == "rloo" else 1
+        batch = replace(batch, logprobs=batch.logprobs - math.log(1.25) / lengths * batch.response_mask)
+        before = params(trainer)
+        metrics = MetricAccumulator()
+        trainer.optimize(batch, metrics)
+        updates[high] = {k: v - before[k] for k, v in params(trainer).items() if k.startswith("policy.")}
+        clipped[high] = metrics.reduce()["clip_ratio/high_mean"]
+    assert clipped[None] == clipped[0.2] > 0.2 and clipped[0.28] == 0.0, clipped
+    for name, delta in updates[None].items():
+        assert torch.equal(delta, updates[0.2][name]), name
+    assert any(not torch.allclose(delta, updates[0.28][name]) for name, delta in updates[None].items())
 
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
@@ -235,6 +261,25 @@ def test_top_k_one_samples_the_most_likely_token(make_policy, prompts):
     free, _ = decode(make_policy(0), queries, mask, response_length=6, choice=TokenChoice(), pad_token_id=0,
                      stop_token_id=None)
     assert not (free == free[0]).all()
+
+
+def test_top_p_draws_only_from_the_nucleus(make_policy, prompts):
+    """Every token drawn with top_p 0.6 lies in the smallest set of most likely tokens whose probability reaches
+    0.6 at its step (softmax(logits / T) of the prefix it was drawn after); without top_p many do not."""
+    policy = make_policy(0)
+    queries, mask = pad(prompts[:32], 0, "left")
+    kwargs = dict(response_length=8, pad_token_id=0, stop_token_id=None, noise_keys=torch.arange(32))
+    outside = {}
+    for top_p in (0.6, 1.0):
+        responses, _ = decode(policy, queries, mask, choice=TokenChoice(temperature=0.8, top_p=top_p), **kwargs)
+        full = torch.ones_like(responses, dtype=torch.bool)
+        with torch.no_grad():
+            probs = response_logits(policy, (queries, mask, responses, full), 0.8).softmax(-1)  # (B, R, V)
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # the probability of the tokens ranked above each
+        in_nucleus = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < 0.6 + 1e-6)
+        outside[top_p] = (~in_nucleus.gather(-1, responses[..., None])).float().mean().item()
+    assert outside[0.6] == 0.0 and outside[1.0] > 0.1, outside
 
 
 def test_truncated_sampling_warns_about_the_ratio(caplog, tokenizer, prompts, make_policy, make_scorer_model):
