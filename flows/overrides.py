@@ -236,7 +236,7 @@ class ExperimentNotSaved(RuntimeError):
 
 def experiment_name(run_name: str, started: str) -> str:
     """A git-ref-safe DVC experiment name: the run's (profile, algorithm, overrides, start time), e.g.
-    demo-ppo-kl_coef-0.07-1126-150207; a name without the start time (no Prefect run) gets `started`'s."""
+    demo-ppo-kl_coef-0-07-1126-150207; a name without the start time (no Prefect run) gets `started`'s."""
     name = run_name if re.search(r"\d{4}-\d{6}(-\d+)?$", run_name) else f"{run_name}-{started[4:15]}"
     return re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-").lower()
 

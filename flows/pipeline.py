@@ -11,7 +11,8 @@ wait for another run that holds the workspace. One run:
    Prefect artifact, and reports/runs/<time>-<run>.json;
 4. runs each stage through DVC (flows/dvc_repro.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
    the pipeline run and unchanged stages are skipped exactly as `dvc repro` skips them;
-5. publishes what the stages left: validation summary, reward-model inspection, evaluation table, and a
+5. forwards a running stage's progress to its task's log and a progress artifact (flows/progress.py);
+6. publishes what the stages left: validation summary, reward-model inspection, evaluation table, and a
    link to the MLflow run.
 
 A failed stage fails the run with a message naming the stage and the tail of its log. SIGINT or SIGTERM stops
@@ -45,6 +46,7 @@ from flows.overrides import (
     write_run_record,
 )
 from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
+from flows.progress import forwarded_progress
 from tasks.common.dvc_yaml import stage_names
 from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
 from tasks.common.params import ParamsError, load_params
@@ -66,11 +68,13 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
     log = Path(root) / LOGS_DIR / f"{name}.log"
     logger.info("stage %s: log %s", name, log)
     terminal = sys.stdout.isatty()
-    env = stage_env({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}, terminal)
     # the stage's lines (progress bars as they end) in the Prefect UI; the terminal has them from the relay
     ui_only = logging.LoggerAdapter(logging.getLogger(UI_ONLY_LOGGER), logger.extra)
-    result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None),
-                         on_line=lambda line: ui_only.info("%s", line))
+    # and while it runs, its bars' moves every few steps, with a progress artifact (flows/progress.py)
+    with forwarded_progress(name, ui_only) as progress_env:
+        env = stage_env({**progress_env, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {})}, terminal)
+        result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None),
+                             on_line=lambda line: ui_only.info("%s", line))
     if interrupt.received():
         return Cancelled(message=f"stage {name!r} stopped by {interrupt.received()} after {result.seconds:.0f} s")
     if result.returncode != 0:

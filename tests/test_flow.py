@@ -126,12 +126,21 @@ def pipeline_repo(tmp_path, mlflow_db_template):
 def failing_repo(tmp_path):
     """A two-stage pipeline whose second stage fails, for the failure path without any model."""
     seed = "python -c \"import yaml; print(yaml.safe_load(open('params.yaml'))['base']['seed'])\""
-    stages = {"ok": {"cmd": f"{seed} > ok.txt", "params": ["base.seed"], "outs": ["ok.txt"]},
+    stages = {"ok": {"cmd": [f"{seed} > ok.txt", "python bar.py"], "params": ["base.seed"], "outs": ["ok.txt"]},
               "broken": {"cmd": "python -c \"import sys; print('the reward model is on fire'); sys.exit(3)\"",
                          "deps": ["ok.txt"], "outs": ["never.txt"]}}
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     (tmp_path / "params.yaml").write_text("base:\n  profile: demo  # kept\n  seed: 0\n")
+    (tmp_path / "bar.py").write_text(BAR)
     return git_dvc_repo(tmp_path)
+
+
+BAR = """from tasks.common.progress import progress_bar
+
+with progress_bar("ok", total=5) as update:  # a stage's bar, as train's moves on each update
+    for i in range(1, 6):
+        update(i, f"update {i}/5  reward {i / 10}")
+"""
 
 
 def wait_for_deployment(name: str, serve: subprocess.Popen, log: Path):
@@ -157,6 +166,10 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = base_env(PREFECT_API_URL=in_process_api, PREFECT_HOME=str(log.parent))
+    params = yaml.safe_load((pipeline_repo / "params.yaml").read_text())
+    params["train"]["gradient_accumulation_steps"] = 1  # 4 updates of 16 episodes: a progress to follow
+    (pipeline_repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh("git", "commit", "-qam", "four updates", cwd=pipeline_repo)
     params_before = (pipeline_repo / "params.yaml").read_text()
     with log.open("w") as out:
         serve = subprocess.Popen([BIN / "rlhf", "serve"], cwd=pipeline_repo, env=env, stdout=out,
@@ -181,6 +194,12 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
     assert "win_rate_rm" in by_key["rlhf-evaluation"].data and "| prompt |" in by_key["rlhf-evaluation"].data
     parent_id = json.loads(next((pipeline_repo / "reports" / "runs").glob("*.json")).read_text())["mlflow_run_id"]
     assert f"/runs/{parent_id}" in by_key["rlhf-mlflow-run"].data  # a link into the MLflow UI
+    # train's progress in its task's log while it ran (update k/N, reward, KL, episodes/s, ETA), and an artifact
+    assert by_key["rlhf-progress-train"].type == "progress" and by_key["rlhf-progress-train"].data == 100
+    moves = [line for line in ui_log_lines(run.id) if line.startswith("train: update ")]
+    assert [m.split()[2] for m in moves] == ["1/4", "2/4", "3/4", "4/4"], moves
+    assert all(re.search(r"reward -?[\d.]+.*kl -?[\d.e-]+.*episodes/s [\d.]+", m) for m in moves), moves
+    assert re.search(r"\(25%, eta 0:\d\d:\d\d\)$", moves[0]) and moves[-1].endswith("(100%, eta 0:00:00)"), moves
 
     # overrides: for this run only (params.yaml as before), recorded in reports/runs/ and in MLflow
     assert (pipeline_repo / "params.yaml").read_text() == params_before
@@ -285,6 +304,15 @@ def test_failed_stage_is_named_with_its_log_tail(failing_repo, in_process_api, m
     assert (failing_repo / "ok.txt").read_text().strip() == "3", "the stage ran with the override"
     lines = ui_log_lines(state.state_details.flow_run_id)  # the stages' own lines, in the Prefect UI
     assert "Running stage 'ok':" in lines and "the reward model is on fire" in lines, lines
+    # the stage's bar, forwarded while it runs: a line per move here (each is a tenth or more), and an artifact
+    moves = [line for line in lines if re.match(r"ok: update \d/5  reward 0\.\d  \(\d+%", line)]
+    assert len(moves) == 5 and moves[-1].startswith("ok: update 5/5  reward 0.5  (100%"), lines
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        [artifact] = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rlhf-progress-ok"])))
+    assert artifact.type == "progress" and artifact.data == 100 and artifact.task_run_id is not None
     assert any(line.startswith("stage 'broken' failed (exit status") for line in lines), lines
     assert (failing_repo / "params.yaml").read_text() == before, "the override was for this run only"
     assert record["params_changed"] == [["base.seed", 0, 3]]

@@ -5,12 +5,18 @@ rlhf_core knows nothing of rich: the stages hand it plain callbacks (`progress(s
 reward-model training, `on_batch(n)` of evaluation) or wrap its tracker (`ProgressTracker` for RL updates).
 Bars go to stderr, keeping stdout for the stage's JSON result. When stderr is not a terminal (a Prefect
 worker's log), rich prints each bar once, as it finished, instead of redrawing it.
+
+Each bar also appends its moves, one JSON object a line, to the file named by RLHF_PROGRESS_FILE when the
+flow sets it (flows/progress.py forwards them to the Prefect task's log and a progress artifact): a side
+channel, so the terminal and the stage's log keep the bar as they have it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,6 +26,7 @@ from typing import Any
 from rlhf_core.jsonio import read_json_object
 from rlhf_core.tracking import NullTracker, Tracker
 
+PROGRESS_FILE_ENV = "RLHF_PROGRESS_FILE"
 NOISY_LOGGERS = ("transformers", "accelerate", "torch", "datasets", "huggingface_hub", "urllib3", "filelock",
                  "git", "alembic", "mlflow", "httpx", "great_expectations", "matplotlib", "PIL")
 
@@ -61,13 +68,38 @@ def progress_bar(description: str, total: float, completed: float = 0,
     console = Console(stderr=True)
     if not console.is_terminal:  # a log file: printed once at the end, at a width that fits the figures
         console = Console(stderr=True, width=140)
-    with Progress(*_columns(), console=console, refresh_per_second=2) as progress:
+    with Progress(*_columns(), console=console, refresh_per_second=2) as progress, \
+            _progress_file(description, total, completed) as report:
         bar = progress.add_task(description, total=total, completed=completed, info="")
 
         def update(done: float, info: str = "") -> None:
             progress.update(bar, completed=done, info=info)
+            report(done, info)
 
         yield update
+
+
+@contextmanager
+def _progress_file(description: str, total: float, completed: float) -> Iterator[Callable[[float, str], None]]:
+    """`report(done, info)` appending {"bar", "done", "total", "info", "elapsed_s", "eta_s"} lines to
+    RLHF_PROGRESS_FILE (a no-op without it). The ETA is from the rate of this process's own moves (a resumed
+    run's first updates were done before it started)."""
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    if not path:
+        yield lambda done, info: None
+        return
+    start = time.monotonic()
+    with open(path, "a", buffering=1) as out:  # line-buffered: each move is readable as soon as it is written
+
+        def report(done: float, info: str) -> None:
+            elapsed = time.monotonic() - start
+            rate = (done - completed) / elapsed if elapsed > 0 and done > completed else 0.0
+            eta = (total - done) / rate if rate > 0 else None
+            out.write(json.dumps({"bar": description, "done": done, "total": total, "info": info,
+                                  "elapsed_s": round(elapsed, 1), "eta_s": None if eta is None else round(eta, 1)})
+                      + "\n")
+
+        yield report
 
 
 def _figures(logs: Mapping[str, float], keys: Mapping[str, str]) -> str:
@@ -78,7 +110,7 @@ def _figures(logs: Mapping[str, float], keys: Mapping[str, str]) -> str:
 class ProgressTracker(NullTracker):
     """Moves a bar on every RL update (step = updates done so far), then hands the metrics on."""
 
-    KEYS = {"objective/scores": "score", "objective/kl": "kl", "val/response_length": "length"}
+    KEYS = {"objective/scores": "reward", "objective/kl": "kl", "eps": "episodes/s", "val/response_length": "length"}
 
     def __init__(self, inner: Tracker, update: Callable[..., None], total: int):
         self.inner, self.update, self.total = inner, update, total
