@@ -11,18 +11,10 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlhf_core import ops
+from rlhf_core.decode import TokenChoice
 from rlhf_core.kv_cache import CACHE, GrowingCache
 from rlhf_core.rollout import distinct_prompts, prefill_shared_prompts, reading_last
 
@@ -48,7 +40,7 @@ def generate_responses(policy: nn.Module, queries: Tensor, query_mask: Tensor, *
     """
     sampler = TokenSampler(noise_keys, queries.shape[1], temperature if keep_logprobs else None)
     processors = LogitsProcessorList([
-        sampler.observer, *_warpers(temperature, top_k, top_p, min_p, repetition_penalty), sampler])
+        sampler.observer, *TokenChoice(temperature, top_k, top_p, min_p, repetition_penalty).processors(), sampler])
     # greedy over the sampler's scores, which single out its draw: the processors above are the whole sampler
     config = GenerationConfig(max_new_tokens=response_length, do_sample=False, pad_token_id=pad_token_id,
                               eos_token_id=stop_token_id, use_cache=True, return_dict_in_generate=True)
@@ -133,19 +125,3 @@ def _sampling_cache(policy: nn.Module, queries: Tensor, query_mask: Tensor, *, c
     if groups is not None:
         prefill_shared_prompts(policy, prefixes, prefix_mask, groups, reads=0, logits_to_keep=1, **{CACHE: cache})
     return cache
-
-
-def _warpers(temperature: float, top_k: int, top_p: float, min_p: float | None,
-             repetition_penalty: float) -> list[LogitsProcessor]:
-    """What `generate` applies before sampling, in its order: the repetition penalty, then the warpers."""
-    out: list[LogitsProcessor] = []
-    if repetition_penalty != 1.0:
-        out.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
-    out.append(TemperatureLogitsWarper(temperature))
-    if top_k > 0:
-        out.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p))
-    if min_p is not None:
-        out.append(MinPLogitsWarper(min_p))
-    return out

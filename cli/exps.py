@@ -17,6 +17,8 @@ from typing import Annotated
 
 import typer
 
+from tasks.common.params import flatten
+
 ALWAYS = ("base.profile", "train.algo")  # params shown in every table
 METRICS = {  # column title: (metrics file, key)
     "win_gold": ("metrics/eval.json", "win_rate_gold"),
@@ -29,16 +31,6 @@ IGNORED = ("base.run_overrides",)  # written by a run for that run only (its ove
 MAX_PARAMS = 6  # changed params beyond these are named below the table (`--param` shows one as a column)
 
 
-def _flatten(data, prefix: str = "") -> dict:
-    out = {}
-    for key, value in (data or {}).items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _locked_params(root: Path) -> dict:
     """params.yaml's values as dvc.lock records them: what the workspace's results were made with."""
     from ruamel.yaml import YAML
@@ -48,13 +40,13 @@ def _locked_params(root: Path) -> dict:
     stages = (YAML(typ="safe", pure=True).load(lock.read_text()) or {}).get("stages", {}) if lock.is_file() else {}
     out = {}
     for stage in stages.values():
-        out.update(_flatten(stage.get("params", {}).get("params.yaml", {})))
+        out.update(flatten(stage.get("params", {}).get("params.yaml", {})))
     return out
 
 
 def _row(entry: dict, name: str) -> dict:
     data = entry.get("data") or {}
-    params = _flatten((data.get("params") or {}).get("params.yaml", {}).get("data"))
+    params = flatten((data.get("params") or {}).get("params.yaml", {}).get("data"))
     metrics = {title: ((data.get("metrics") or {}).get(file, {}).get("data") or {}).get(key)
                for title, (file, key) in METRICS.items()}
     return {"name": name, "created": (data.get("timestamp") or "-")[5:16] or "-", "params": params,
