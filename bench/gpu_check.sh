@@ -37,7 +37,7 @@ if (( DRY_RUN )); then
   DECODE=(--device cpu --shapes dry-run --repeats 2)
   PIPELINE=(--shapes dry-run --updates 2 --rows 200)
 else
-  LIMITS=(env=20 vs_trl=130 decode=80 gpu_tests=150 pipeline=100)
+  LIMITS=(env=20 vs_trl=130 decode=100 gpu_tests=140 pipeline=90)
   VS_TRL=(--device cuda --shapes pythia-1b --updates 4)
   DECODE=(--device cuda --shapes pythia-1b --repeats 5)
   PIPELINE=(--shapes pythia-1b --updates 2 --rows 400)

@@ -101,10 +101,11 @@ class RLConfig(_Frozen):
     default). `episode`: each token's uniform is keyed by (seed, update, prompt, sample), so an
     episode's completion is the same whatever process or rollout batch generates it: 1 and N processes then train
     the same policy (up to float rounding), at the cost of one hash per row and token."""
-    decode_graphs: Literal["auto", "on", "off"] = "auto"
-    """The rollout's decode steps as one captured CUDA graph each (`rlhf_core.decode`). `auto`: wherever it is
+    decode_graphs: Literal["auto", "on", "off"] = "off"
+    """The rollout's decode steps as one captured CUDA graph each (`rlhf_core.decode`): `auto` wherever it is
     possible (CUDA, a model with a plain static KV cache, no ZeRO-3 partitioning), else eager; `on`: refuse to run
-    eagerly; `off`: always eager. The first rollout of each prompt-width bucket compiles its graph."""
+    eagerly; `off` (the default until a GPU has measured it: bench/gpu_check.sh's decode part): always eager.
+    The first rollout of each prompt-width bucket compiles its graph (tens of seconds for a 1B model)."""
     stop_token: Literal["eos"] | None = "eos"
     """Truncate completions after this token ('eos') or never (None)."""
     missing_eos_penalty: float | None = Field(1.0, ge=0.0)

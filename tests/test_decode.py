@@ -169,3 +169,18 @@ def test_the_static_cache_compiled_step_draws_what_the_eager_loop_draws():
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[0] > 0, "the second rollout compiled nothing new"
     assert not graphs_available(model), "the trainer captures graphs on CUDA only"
+
+
+def test_cuda_graphs_asked_for_where_there_are_none_are_refused_by_name(tokenizer, prompts, make_policy,
+                                                                      make_scorer_model):
+    """`train.decode_graphs: on` on a CPU: the first rollout says why it cannot, naming the key; `auto` decodes
+    eagerly there."""
+    from test_trainer import make_trainer, tiny_config
+
+    refused = make_trainer(tiny_config("rloo", total_episodes=32, decode_graphs="on"), tokenizer, prompts,
+                           make_policy, make_scorer_model)
+    with pytest.raises(ValueError, match="train.decode_graphs=on: CUDA graphs need a CUDA device"):
+        refused.rollout([0, 1])
+    auto = make_trainer(tiny_config("rloo", total_episodes=32, decode_graphs="auto"), tokenizer, prompts,
+                        make_policy, make_scorer_model)
+    assert len(auto.rollout([0, 1])) == 2 * auto.cfg.samples_per_prompt
