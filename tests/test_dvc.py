@@ -13,6 +13,7 @@ import pytest
 import yaml
 from test_pipeline import TINY
 
+from tasks.common.offline_plots import TEMPLATE, template_html
 from tasks.common.params import deep_merge, parse_override
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,8 @@ def make_repo(root: Path, mlflow_db: Path) -> Path:
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     sh("git", "init", "-q", cwd=root)
     sh("dvc", "init", "-q", cwd=root)
+    for item in ("config", "offline-plots.html"):  # `dvc plots show` offline (tasks/common/offline_plots.py)
+        shutil.copy(REPO / ".dvc" / item, root / ".dvc" / item)
     sh("git", "add", "-A", cwd=root)
     sh("git", "commit", "-qm", "init", cwd=root)
     return root
@@ -61,6 +64,13 @@ def reproduced(tmp_path_factory, mlflow_db_template) -> Path:
 def dvc_repo(reproduced, tmp_path) -> Path:
     """A copy of the reproduced repo (git, DVC cache, outputs, mlflow.db) for one test to change."""
     return Path(shutil.copytree(reproduced, tmp_path / "repo", symlinks=True))
+
+
+def test_the_offline_plots_template_is_current():
+    """.dvc/offline-plots.html is what tasks/common/offline_plots.py writes from the installed vl-convert-python:
+    DVC fills it with the charts, and it holds Vega, Vega-Lite and Vega-Embed themselves."""
+    assert TEMPLATE.read_text() == template_html(), "run: python -m tasks.common.offline_plots"
+    assert "{plot_divs}" in template_html() and "{scripts}" not in template_html(), "no CDN tag from DVC"
 
 
 @pytest.mark.slow
@@ -143,6 +153,8 @@ def test_plots_show_draws_the_train_history_and_the_pngs_offline(dvc_repo):
     sh("dvc", "plots", "show", "-o", str(out), cwd=dvc_repo)  # writes HTML without any network
     page = (out / "index.html").read_text()
     assert page.count("<img") == 4 and "Reward over updates" in page
+    # the charts' libraries are in the page (DVC's own page loads them from a CDN: offline they vanished)
+    assert "<script src" not in page and "window.vegaEmbed=" in page and page.count("vegaEmbed('#") == 3
     images = list((out / "static").glob("*.png"))
     assert len(images) == 4 and all(p.read_bytes()[:4] == b"\x89PNG" for p in images), "shown offline"
 
