@@ -76,6 +76,13 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     With runtime.num_processes > 1 or runtime.accelerate_config, sft, reward-model and train relaunch
     themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
     """
+    from tasks.common.stage_outcome import recorded_outcome
+
+    with recorded_outcome():  # for the flow: whether a retry can fix a failure (tasks/common/transient.py)
+        _stage(name, profile, overrides)
+
+
+def _stage(name: str, profile: str | None, overrides: list[str] | None) -> None:
     # light imports only: a stage loads torch and the model code itself when it needs them
     from tasks.common.errors import StageFailed
     from tasks.common.launcher import is_main_process, launch_command, run_launched

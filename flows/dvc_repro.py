@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from rlhf_core.jsonio import read_json_object, write_json
+from tasks.common.stage_outcome import OUTCOME_ENV, retry_reason
+from tasks.common.transient import transient_cause
 
-# Failures a retry can fix: DVC's lock held by a manual `dvc repro`, the OOM killer, a flaky hub download.
-TRANSIENT_MARKERS = ("Unable to acquire lock", "exited with -9", "exited with 137", "ConnectionError",
-                     "Connection reset", "Read timed out", "Temporary failure in name resolution",
-                     "503 Server Error", "429 Client Error")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STOP_GRACE_S = 5.0  # a stopped stage's time to end its MLflow run and DVC's lock before the next signal
 RUNNING: set[subprocess.Popen] = set()  # the stage subprocesses of this process now running
@@ -45,6 +43,7 @@ class ReproResult:
     seconds: float
     log: Path
     restored: bool = False  # DVC restored its outputs from the run cache: an earlier run had these inputs
+    retry_reason: str | None = None  # a failure a retry may fix: why (tasks/common/transient.py), else None
 
 
 def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
@@ -83,6 +82,8 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
     log.parent.mkdir(parents=True, exist_ok=True)
     fd, result_file = tempfile.mkstemp(prefix=f"rlhf-{name}-", suffix=".json")
     os.close(fd)
+    outcome_file = Path(result_file).with_suffix(".outcome.json")  # the stage's own (tasks/common/stage_outcome.py)
+    env = {**env, OUTCOME_ENV: str(outcome_file)}
     start = time.monotonic()
     try:
         # its own session: a terminal's Ctrl-C reaches only the flow, which stops the stage (stop_stages)
@@ -103,10 +104,12 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
                 RUNNING.discard(proc)
                 STOPPED.discard(proc)
         outcome = read_json_object(result_file) or {}
+        why = None if proc.returncode == 0 else outcome.get("retry_reason") or retry_reason(outcome_file)
     finally:
         Path(result_file).unlink(missing_ok=True)
+        outcome_file.unlink(missing_ok=True)
     return ReproResult(name, proc.returncode, bool(outcome.get("ran", False)), time.monotonic() - start, log,
-                       restored=bool(outcome.get("restored", False)))
+                       restored=bool(outcome.get("restored", False)), retry_reason=why)
 
 
 def stop_stages(grace_s: float = STOP_GRACE_S) -> None:
@@ -140,10 +143,6 @@ def log_tail(log: Path, lines: int = 25) -> str:
     return "\n".join(clean_lines(log.read_text(errors="replace"))[-lines:]) if log.is_file() else ""
 
 
-def is_transient(text: str) -> bool:
-    return any(marker in text for marker in TRANSIENT_MARKERS)
-
-
 def _error_chain(err: BaseException) -> str:
     parts = []
     while err is not None:
@@ -153,7 +152,8 @@ def _error_chain(err: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool, "restored": bool}."""
+    """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool, "restored": bool}, or on
+    DVC's failure {"ran": false, "retry_reason": why a retry may fix it, or null}."""
     name, result_file = argv
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
@@ -164,8 +164,10 @@ def main(argv: list[str]) -> int:
             repo.scm_context.quiet = True  # no "git add dvc.lock" hint after every stage
             _note_run_cache_restores(repo, restored)
             ran = repo.reproduce(name, single_item=True)
-    except DvcException as err:
+    except DvcException as err:  # DVC's own failure (its lock, a missing dep), or the stage command's exit
         print(f"dvc: {_error_chain(err)}", file=sys.stderr)
+        cause = transient_cause(err)
+        write_json(result_file, {"ran": False, "retry_reason": str(cause) if cause else None})
         return 1
     # a stage DVC restored from its run cache "ran" for DVC (dvc.lock rewritten) but its command did not run
     write_json(result_file, {"ran": bool(ran) and not restored, "restored": bool(restored)})

@@ -17,7 +17,8 @@ wait for another run that holds the workspace. One run:
 
 A failed stage fails the run with a message naming the stage and the tail of its log. SIGINT or SIGTERM stops
 the running stage and ends the run Cancelled through the same path (flows/interrupt.py). Only failures a
-retry can fix (DVC's lock held by a manual `dvc repro`, the OOM killer, network) are retried.
+retry can fix are retried, told by their type (tasks/common/transient.py: a server down or timing out, HTTP 5xx,
+DVC's lock held by a manual `dvc repro`, a stage killed by a signal such as the OOM killer's), never by the log.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.runtime import task_run as this_task_run
 from prefect.states import Cancelled, Completed, Failed, State
 
 from flows import interrupt, reports
-from flows.dvc_repro import is_transient, log_tail, repro_stage, stage_env
+from flows.dvc_repro import log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import (
     ExperimentNotSaved,
@@ -55,8 +57,11 @@ LOGS_DIR = "reports/logs"
 UI_ONLY_LOGGER = "prefect.extra"  # Prefect sends its records to the API only (no console handler)
 
 
+RETRYABLE: dict[str, str] = {}  # task run id -> why a retry may fix its failure (ReproResult.retry_reason)
+
+
 def _retry_if_transient(task, task_run, state: State) -> bool:
-    return is_transient(state.message or "")
+    return RETRYABLE.pop(str(task_run.id), None) is not None
 
 
 # DVC is the cache (it skips unchanged stages): Prefect caches nothing and persists no result.
@@ -80,9 +85,13 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
     if result.returncode != 0:
         # A returned Failed state (not an exception): the message is the story, no engine traceback; in the
         # UI's log too, as plain lines (it shows a state's message as a quoted Python string)
-        message = (f"stage {name!r} failed (exit status {result.returncode}) after {result.seconds:.0f} s; "
+        retry = (f"; a retry may fix it: {result.retry_reason}" if result.retry_reason
+                 else "; not retried: it would fail the same way")
+        message = (f"stage {name!r} failed (exit status {result.returncode}) after {result.seconds:.0f} s{retry}; "
                    f"last lines of {log}:\n{log_tail(log)}")
         ui_only.error("%s", message)
+        if result.retry_reason:
+            RETRYABLE[str(this_task_run.id)] = result.retry_reason
         return Failed(message=message)
     outcome = {"stage": name, "ran": result.ran, "restored": result.restored, "seconds": round(result.seconds, 1)}
     if result.restored:  # an earlier run had these params and inputs: its outputs are back, nothing recomputed

@@ -29,7 +29,7 @@ from test_pipeline import TINY
 from typer.testing import CliRunner
 
 from cli.main import _say_local_edits, app
-from flows.dvc_repro import clean_lines, is_transient, log_tail, repro_stage, stage_env
+from flows.dvc_repro import clean_lines, log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import (
     RESTORE_NOTE,
@@ -501,10 +501,66 @@ def test_missing_source_files_and_ignored_overrides_fail_before_anything_runs(fa
     assert result.exit_code == 2 and "prepare.sft: x.jsonl: no such file" in result.output, result.output
 
 
-def test_transient_failures_and_terminal_logs():
-    assert is_transient("ERROR: Unable to acquire lock. Most likely another DVC process is running")
-    assert not is_transient("train.kl_coeff: unknown key")
+def test_terminal_logs_keep_each_lines_last_redraw():
     assert clean_lines("a\r\x1b[2Kb 50%\r\x1b[2Kb 100%\n\nc\n") == ["b 100%", "c"]
+
+
+# Stages that fail on their first attempt (`attempts` counts them), each in its own way. Under
+# recorded_outcome, as `rlhf stage` runs, they report how they ended; `words` fails the same way every time
+# while printing what the old retry matched in logs (the tracker's own connection warnings).
+_ATTEMPT = "from pathlib import Path; a = Path('attempts-{name}'); a.write_text(a.read_text() + 'x' if a.exists() else 'x')"
+_FIRST_TIME = {
+    "refused": "import requests; requests.get('http://127.0.0.1:{port}/api', timeout=30)",
+    "killed": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    "words": ("print('MLflow: sending 12 metrics failed (ConnectionError: Connection reset; 503 Server Error; Read "
+              "timed out); buffered'); raise ValueError('train.kl_coeff: unknown key')"),
+}
+
+
+@pytest.fixture
+def flaky_repo(tmp_path):
+    port = free_port()  # nothing listens there
+    stages = {}
+    for name, fail in _FIRST_TIME.items():
+        script = (f"{_ATTEMPT.format(name=name)}\nfrom tasks.common.stage_outcome import recorded_outcome\n"
+                  f"with recorded_outcome():\n    if len(a.read_text()) == 1 or {name == 'words'}:\n"
+                  f"        {fail.format(port=port)}\n    Path('{name}.out').write_text('ok')\n")
+        (tmp_path / f"{name}.py").write_text(script)
+        stages[name] = {"cmd": f"python {name}.py", "deps": [f"{name}.py"], "outs": [f"{name}.out"]}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    return git_dvc_repo(tmp_path)
+
+
+@pytest.mark.parametrize("name, retried", [("refused", True), ("killed", True), ("words", False)])
+def test_a_stage_is_retried_only_for_a_cause_a_retry_can_fix(flaky_repo, in_process_api, name, retried):
+    """Retries follow the failure's type (connection refused, killed by a signal), never its log's words."""
+    from prefect import flow
+
+    from flows.pipeline import run_dvc_stage
+
+    @flow
+    def one_stage() -> tuple[str, str]:
+        state = run_dvc_stage.with_options(retry_delay_seconds=0)(name, str(flaky_repo), return_state=True)
+        return state.type.value, state.message or ""  # the flow's result, whichever way the stage ended
+
+    kind, message = one_stage()
+    attempts = len((flaky_repo / f"attempts-{name}").read_text())
+    if retried:
+        assert kind == "COMPLETED" and attempts == 2, (attempts, message)
+        assert (flaky_repo / f"{name}.out").read_text() == "ok"
+    else:
+        assert kind == "FAILED" and attempts == 1, (attempts, message)
+        assert "not retried: it would fail the same way" in message
+
+
+def test_a_dvc_failure_records_why_a_retry_may_fix_it(flaky_repo):
+    """The stage's own outcome (connection refused, naming the server) reaches the flow's ReproResult."""
+    result = repro_stage(flaky_repo, "refused", flaky_repo / "logs" / "refused.log", stage_env({}, terminal=False))
+    assert result.returncode != 0 and result.retry_reason.startswith("connection refused (http://127.0.0.1:")
+    died = repro_stage(flaky_repo, "killed", flaky_repo / "logs" / "killed.log", stage_env({}, terminal=False))
+    assert died.returncode != 0 and "died without a word" in died.retry_reason
+    words = repro_stage(flaky_repo, "words", flaky_repo / "logs" / "words.log", stage_env({}, terminal=False))
+    assert words.returncode != 0 and words.retry_reason is None and "503 Server Error" in log_tail(words.log)
 
 
 def test_the_server_scheduler_creates_runs_of_a_scheduled_deployment(tmp_path):
