@@ -1,5 +1,5 @@
-"""The CPU launch profiles (profiles/cpu-*.yaml) through the whole flow, and README "Training on GPUs" held to the
-commands the tests run: each launch path the README shows for GPUs is run here on 2 CPU processes."""
+"""The CPU launch profiles (profiles/cpu-*.yaml) through the whole flow, and the guide docs/gpus.md held to the
+commands the tests run: each launch path the guide shows for GPUs is run here on 2 CPU processes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_flow import BIN, base_env, pipeline_repo  # noqa: F401 (a fixture)
-from test_lora import README_COMMANDS as LORA_COMMANDS  # the LoRA commands, mapped beside their tests
+from test_lora import GPU_GUIDE_COMMANDS as LORA_COMMANDS  # the LoRA commands, mapped beside their tests
 
 from tasks.common.launcher import MODEL_STAGES
 
@@ -57,12 +57,13 @@ def test_the_whole_flow_under_the_cpu_zero3_profile(pipeline_repo):  # noqa: F81
         assert params["runtime.accelerate_config"] == "infra/accelerate/deepspeed_zero3.yaml"
 
 
-# ------------------------------------------------------------------ README "Training on GPUs"
+# ------------------------------------------------------------------ docs/gpus.md, "Training on GPUs"
 
-# Every command of the section's code blocks -> the test that runs it, or its CPU stand-in (a CPU profile for the
-# GPU flags: the same launcher and accelerate config on 2 CPU processes); the LoRA ones are in tests/test_lora.py. A
-# command added to the README without a test mapped fails `test_every_launch_command_in_the_readme_is_run_by_a_test`.
-README_COMMANDS = {
+GPU_GUIDE = REPO / "docs" / "gpus.md"
+# Every `rlhf` command of the guide's code blocks -> the test that runs it, or its CPU stand-in (a CPU profile for
+# the GPU flags: the same launcher and accelerate config on 2 CPU processes); the LoRA ones are in tests/test_lora.py.
+# A command added to the guide without a test mapped fails `test_every_launch_command_in_the_gpu_guide_is_run_by_a_test`.
+GPU_GUIDE_COMMANDS = {
     "rlhf run --profile tldr-pythia-1b":
         "test_pipeline.py::test_real_profile_runs_on_local_copies",
     "rlhf run --profile tldr-pythia-1b --set runtime.num_processes=8 "
@@ -84,22 +85,22 @@ README_COMMANDS = {
 }
 
 
-def readme_commands(section: str = "## Training on GPUs") -> list[str]:
-    """The `rlhf ...` lines of the section's ```bash blocks."""
-    text = (REPO / "README.md").read_text()
-    body = text[text.index(section) + len(section):]
-    body = body[:body.index("\n## ")]
-    blocks = re.findall(r"```bash\n(.*?)```", body, flags=re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("rlhf ")]
+def guide_commands(guide: Path = GPU_GUIDE) -> list[str]:
+    """The `rlhf ...` lines (`.venv/bin/rlhf` too) of every shell block of the guide (all of it: the guide is about
+    GPUs alone)."""
+    blocks = re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", guide.read_text(), flags=re.S)
+    lines = [line.strip().removeprefix(".venv/bin/") for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith("rlhf ")]
 
 
-def test_every_launch_command_in_the_readme_is_run_by_a_test():
-    commands = readme_commands()
-    mapped = {**README_COMMANDS, **LORA_COMMANDS}
+def test_every_launch_command_in_the_gpu_guide_is_run_by_a_test():
+    commands = guide_commands()
+    assert commands, f"{GPU_GUIDE} has no rlhf command in a bash block"
+    mapped = {**GPU_GUIDE_COMMANDS, **LORA_COMMANDS}
     unknown = [c for c in commands if c not in mapped]
-    assert not unknown, f"README 'Training on GPUs' names commands no test runs (add the test, then map it): {unknown}"
+    assert not unknown, f"docs/gpus.md names commands no test runs (add the test, then map it): {unknown}"
     for command, test in mapped.items():
-        assert command in commands, f"mapped but gone from the README: {command}"
+        assert command in commands, f"mapped but gone from docs/gpus.md: {command}"
         file, name = test.split("::")
         tree = ast.parse((TESTS / file).read_text())
         assert name in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, f"{test}: no such test"

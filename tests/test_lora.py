@@ -42,9 +42,9 @@ LORA = ["train.use_peft=true", "train.lora_r=4", "train.lora_alpha=8", "train.le
         "train.sampling_seed=episode", "prepare.max_prompt_tokens=16"]
 TARGETED = ".attention.query_key_value.weight"  # PEFT's default LoRA target on GPT-NeoX
 LORA_PROFILE = "cpu-zero2-lora"
-# README "Training on GPUs": its LoRA commands -> the test that runs each or its CPU stand-in (read by
-# tests/test_cpu_profiles.py, which fails on a README command no test runs)
-README_COMMANDS = {
+# docs/gpus.md ("Training on GPUs"): its LoRA commands -> the test that runs each or its CPU stand-in (read by
+# tests/test_cpu_profiles.py, which fails on a command of the guide that no test runs)
+GPU_GUIDE_COMMANDS = {
     "rlhf run --profile tldr-pythia-1b --set train.use_peft=true --set train.lora_r=16 --set train.lora_alpha=32 "
     "--set runtime.num_processes=8 --set runtime.accelerate_config=infra/accelerate/deepspeed_zero2.yaml":
         "test_lora.py::test_cpu_zero2_lora_profile_runs_the_whole_flow_and_registers_a_version",

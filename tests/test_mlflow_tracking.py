@@ -218,7 +218,7 @@ ML_VIEW = "?workflowType=machine_learning"
 def test_every_mlflow_link_opens_the_runs_table_not_the_genai_overview(mlflow_root, monkeypatch):
     """#28 item 2: MLflow 3.17 opens an experiment in its GenAI overview whatever the experiment's tags say; a link
     naming `workflowType=machine_learning` opens the runs table in any browser. Every link we print (the end-of-run
-    summary, the Prefect artifact's run link) and document (README, infra/README.md) names it."""
+    summary, the Prefect artifact's run link) and document (README, docs/*.md, infra/README.md) names it."""
     root = mlflow_root
     parent = start_pipeline_run(root, None, TINY)
     exp = get_client(root).get_run(parent).info.experiment_id
@@ -229,8 +229,8 @@ def test_every_mlflow_link_opens_the_runs_table_not_the_genai_overview(mlflow_ro
     assert runs.endswith(experiment_url(exp, root)) and run.endswith(run_url(parent, root))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example.org/")
     assert experiment_url("7") == f"https://mlflow.example.org/#/experiments/7/runs{ML_VIEW}"
-    documented = [link for doc in ("README.md", "infra/README.md")
-                  for link in re.findall(r"#/experiments/[^\s)`'\"]*", (REPO / doc).read_text())]
+    docs = [REPO / "README.md", REPO / "infra" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    documented = [link for doc in docs for link in re.findall(r"#/experiments/[^\s)`'\"]*", doc.read_text())]
     assert documented and all(link.endswith(ML_VIEW) for link in documented), documented
 
 

@@ -1,6 +1,6 @@
 """The pipeline on the shared-server stack, live on loopback (marker `server`; `make test-server` runs it).
 
-Set up exactly as README's "Scaling out" says (tests/test_infra.py checks these commands are the guide's):
+Set up exactly as docs/scaling-out.md says (tests/test_infra.py checks these commands are the guide's):
 `infra/stack.sh up`, its `env`, `prefect deploy --all` from a fresh git + DVC repo of the pipeline (the TINY world),
 a DVC remote on the stack's S3. Then, on the real servers:
 
@@ -195,7 +195,7 @@ def test_pipeline_on_the_server_stack(stack, repo, monkeypatch):
     logs = state / "logs"
     from mlflow import MlflowClient
 
-    # README "Scaling out", step 2: deploy from the checkout (the directory becomes the runs' working directory)
+    # docs/scaling-out.md, step 2: deploy from the checkout (the directory becomes the runs' working directory)
     sh(BIN / "prefect", "--no-prompt", "deploy", "--all", cwd=repo, env=client_env, timeout=300)
     # step 3: the GPU pools and deployments register against the live server (no GPU worker runs here)
     for pool, kind, template in (("rlhf-gpu", "process", "process.json"), ("rlhf-gpu-docker", "docker", "docker-gpu.json"),
@@ -328,7 +328,7 @@ def test_pipeline_on_the_server_stack(stack, repo, monkeypatch):
     user, password = client_env["PREFECT_API_AUTH_STRING"].split(":", 1)
     assert httpx.post(f"{client_env['PREFECT_API_URL']}/flow_runs/filter", json={}, auth=(user, password)).status_code == 200
 
-    # 4. DVC: README's commands, then a fresh clone pulls every output back
+    # 4. DVC: the guide's commands, then a fresh clone pulls every output back
     from tasks.common.params import deep_merge, parse_override
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
