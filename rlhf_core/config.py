@@ -18,14 +18,70 @@ with exact divisions that fail loudly naming the fields.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+# Other names of one setting, resolved once when a config is validated: the rest of the code sees only ours.
+# Keys are the names users bring; values our dotted field, relative to the config that takes the alias.
+TRL_ALIASES: dict[str, str] = {
+    "beta": "kl_coef",                          # TRL's RLOOConfig / GRPOConfig
+    "epsilon": "cliprange",                     # TRL's RLOOConfig / GRPOConfig
+    "num_generations": "rloo.rloo_k",           # TRL's RLOOConfig: completions per prompt
+    "max_completion_length": "response_length", # TRL's RLOOConfig / GRPOConfig
+}
+PEFT_ALIASES: dict[str, str] = {  # PEFT's LoraConfig names of TRL's ModelConfig LoRA fields (ours)
+    "r": "lora_r",
+    "target_modules": "lora_target_modules",
+    "modules_to_save": "lora_modules_to_save",
+    "task_type": "lora_task_type",
+}
+
+
+def resolve_aliases(model: type[BaseModel], data, aliases: Mapping[str, str], source: str):
+    """`data` (a config's raw mapping) with each alias in `aliases` renamed to our field. The value is checked
+    here against our field's type and bounds, so a bad value is reported under the name the user wrote; both
+    names of one setting is an error naming both."""
+    if not isinstance(data, Mapping) or not aliases.keys() & data.keys():
+        return data
+    data = dict(data)
+    for alias, name in aliases.items():
+        if alias not in data:
+            continue
+        value = data.pop(alias)
+        section, _, field = name.rpartition(".")
+        owner, target = model, data
+        if section:  # a nested options model (rloo.rloo_k): write into its mapping
+            owner = model.model_fields[section].annotation
+            nested = data.get(section)
+            nested = nested.model_dump(exclude_unset=True) if isinstance(nested, BaseModel) else dict(nested or {})
+            target = data[section] = nested
+        if field in target:
+            raise ValueError(f"{alias} and {name} are one setting ({source}'s {alias} is our {name}); give one "
+                             "of them")
+        info = owner.model_fields[field]
+        try:
+            value = TypeAdapter(Annotated[info.annotation, info]).validate_python(value)
+        except ValidationError as err:
+            reason = "; ".join(e["msg"] for e in err.errors())
+            raise ValueError(f"{alias}={value!r}: {reason} ({source}'s {alias} is our {name})") from None
+        target[field] = value
+    return data
 
 
 class PPOOptions(_Frozen):
@@ -163,6 +219,12 @@ class RLConfig(_Frozen):
 
     @model_validator(mode="before")
     @classmethod
+    def _trl_aliases(cls, data):
+        """TRL's current names (TRL_ALIASES): beta, epsilon, num_generations, max_completion_length."""
+        return resolve_aliases(cls, data, TRL_ALIASES, "TRL")
+
+    @model_validator(mode="before")
+    @classmethod
     def _trl_names(cls, data):
         """TRL's generation-reuse names, mapped onto the batch hierarchy: `num_iterations` (passes over one
         generation) is num_epochs; `steps_per_generation` (micro-steps per generation, TRL counts micro-batches)
@@ -240,6 +302,12 @@ class PeftOptions(_Frozen):
     """PEFT's `task_type`; the policy is a causal LM."""
     use_rslora: bool = False
     """Rank-stabilized LoRA: scale by lora_alpha / sqrt(lora_r) (PEFT's `use_rslora`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _peft_aliases(cls, data):
+        """PEFT's LoraConfig names (PEFT_ALIASES): r, target_modules, modules_to_save, task_type."""
+        return resolve_aliases(cls, data, PEFT_ALIASES, "PEFT")
 
     @model_validator(mode="after")
     def _check_lora(self) -> PeftOptions:

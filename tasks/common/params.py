@@ -16,11 +16,23 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rlhf_core.config import InspectionConfig, PeftOptions, RewardConfig, RLConfig, RuntimeConfig, SFTConfig
+from rlhf_core.config import (
+    PEFT_ALIASES,
+    TRL_ALIASES,
+    InspectionConfig,
+    PeftOptions,
+    RewardConfig,
+    RLConfig,
+    RuntimeConfig,
+    SFTConfig,
+)
 from rlhf_core.reward_functions import import_reward_function
 from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
+# The train section's other names (TRL's RLOOConfig, PEFT's LoraConfig): RLConfig / PeftOptions resolve them when
+# the section is validated; here they only keep the layers (params.yaml, profile, --set) from naming one setting twice.
+TRAIN_ALIASES = {**TRL_ALIASES, **PEFT_ALIASES}
 PROFILES_DIR = "profiles"
 # While `rlhf run` has written its profile and overrides into params.yaml: {"original": text, "written": text}
 # (flows/overrides.py); lineage reads it to tell the run's own edit from the user's.
@@ -234,21 +246,53 @@ class Params(_Section):
 
 
 def deep_merge(base: dict, override: dict) -> dict:
+    """`override` over `base`, section by section. A train setting that `override` names, by our name or its TRL
+    alias, replaces every name of it in `base`: `--set train.beta=0.1` over params.yaml's `kl_coef: 0.15` leaves
+    `beta` alone, not both names (which validation refuses)."""
     out = copy.deepcopy(base)
+    if isinstance(out.get("train"), dict) and isinstance(override.get("train"), dict):
+        for key in {canonical_key(k) for k in flatten({"train": override["train"]})} & _NAMES.keys():
+            for name in _NAMES[key]:
+                _pop_dotted(out["train"], name)
+    return _merge(out, override)
+
+
+def _merge(out: dict, override: dict) -> dict:
     for key, value in override.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
             else copy.deepcopy(value)
     return out
 
 
+def canonical_key(key: str) -> str:
+    """A dotted key with a train alias as our name: 'train.beta' -> 'train.kl_coef'; any other key unchanged."""
+    section, _, rest = key.partition(".")
+    return f"train.{TRAIN_ALIASES[rest]}" if section == "train" and rest in TRAIN_ALIASES else key
+
+
+_NAMES = {f"train.{name}": [name, *(alias for alias, ours in TRAIN_ALIASES.items() if ours == name)]
+          for name in TRAIN_ALIASES.values()}  # our dotted key -> every name of it inside the train section
+
+
+def _pop_dotted(data: dict, key: str) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        data = data.get(part)
+        if not isinstance(data, dict):
+            return
+    data.pop(last, None)
+
+
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'rloo': {'rloo_k': 2}}} -> {'train.rloo.rloo_k': 2}: the dotted keys of overrides and MLflow."""
+    """{'train': {'rloo': {'rloo_k': 2}}} -> {'train.rloo.rloo_k': 2}: the dotted keys of overrides and MLflow.
+    A train alias comes out as our key ('train.beta' -> 'train.kl_coef'), so an override or profile written with
+    TRL's names lands on the params.yaml key it replaces (flows/overrides.py writes these keys)."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, Mapping) and value:
             out.update(flatten(value, f"{prefix}{key}."))
         else:
-            out[f"{prefix}{key}"] = value
+            out[canonical_key(f"{prefix}{key}")] = value
     return out
 
 
@@ -292,8 +336,8 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
     raw = _read_yaml(path) if path.is_file() else {}
     params_yaml = copy.deepcopy(raw)
     override = {}
-    for item in overrides:
-        override = deep_merge(override, parse_override(item))
+    for item in overrides:  # one layer: both names of a setting in it stay, and validation refuses them
+        override = _merge(override, parse_override(item))
     profile = profile or override.get("base", {}).get("profile") or raw.get("base", {}).get("profile", "demo")
     if profile != "demo":
         profile_path = root / PROFILES_DIR / f"{profile}.yaml"
@@ -322,7 +366,7 @@ def _allowed_keys(loc: tuple) -> list[str]:
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             return []
         model = field.annotation
-    return sorted(model.model_fields)
+    return sorted([*model.model_fields, *(TRAIN_ALIASES if model is TrainParams else ())])
 
 
 def _explain(err: ValidationError, path: Path) -> str:
