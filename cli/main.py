@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from cli.exps import exps
+from cli.from_trl import from_trl
 from cli.models import app as models_app
 from cli.params import app as params_app
 
@@ -310,6 +311,7 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
 app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
 app.add_typer(params_app, name="params")  # rlhf params diff | reset (params.yaml against the committed one)
 app.command("exps")(exps)  # rlhf exps: the DVC experiments (every override run is one), readable
+app.command("from-trl")(from_trl)  # rlhf from-trl CONFIG.yaml: a TRL PPO / RLOO recipe as a profile
 
 
 def main() -> None:

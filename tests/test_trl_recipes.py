@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def test_both_names_of_one_setting_are_refused_naming_both(params_dir, alias, ou
     with pytest.raises(ParamsError) as err:
         load_params(params_dir, overrides=both)
     assert f"{alias} and {ours} are one setting" in str(err.value)
-    (params_dir / "profiles" / "both.yaml").write_text(yaml.safe_dump({"train": {alias: value, **_nested(ours, value)}}))
+    both_names = {"train": {alias: value, **_nested(ours, value)}}
+    (params_dir / "profiles" / "both.yaml").write_text(yaml.safe_dump(both_names))
     with pytest.raises(ParamsError, match=f"{alias} and {ours} are one setting"):
         load_params(params_dir, "both")
 
@@ -102,7 +104,8 @@ def test_rlhf_run_writes_an_alias_override_onto_our_key_in_params_yaml(params_di
     from flows.overrides import edited_yaml, planned_changes
 
     if profile:  # a profile written with TRL's names, under the run's override of another of its keys
-        (params_dir / "profiles" / "trl.yaml").write_text(yaml.safe_dump({"train": {"beta": 0.2, "num_generations": 4}}))
+        trl_profile = {"train": {"beta": 0.2, "num_generations": 4}}
+        (params_dir / "profiles" / "trl.yaml").write_text(yaml.safe_dump(trl_profile))
     changes = planned_changes(params_dir, profile or "demo", ["train.beta=0.1"])
     assert ("train.kl_coef", 0.15, 0.1) in changes and not [key for key, *_ in changes if "beta" in key]
     original = (params_dir / "params.yaml").read_text()
@@ -110,3 +113,275 @@ def test_rlhf_run_writes_an_alias_override_onto_our_key_in_params_yaml(params_di
     stage_view = load_params(params_dir)  # what a stage reads: params.yaml, then the run's profile
     assert stage_view.train.kl_coef == 0.1
     assert stage_view.train.rloo.rloo_k == (4 if profile else 2)
+
+
+# -- rlhf from-trl -----------------------------------------------------------------------------------------------------
+# TRL's values below come from TRL 1.9.0's own formulas, written out here apart from the converter:
+# PPO (trl/experimental/ppo/ppo_trainer.py, PPOTrainer.__init__): local_batch_size = P * G; batch_size =
+# local_batch_size * world_size; mini_batch_size = batch_size / num_mini_batches; num_total_batches =
+# ceil(total_episodes / batch_size); the scheduler is built for num_total_batches steps and stepped once per update.
+# RLOO (trl/trainer/rloo_config.py __post_init__, rloo_trainer.py RepeatSampler / _prepare_inputs, and the Trainer):
+# steps_per_generation S defaults to G; generation_batch_size = P * world_size * S; one generation serves
+# num_iterations * S micro-batches; the optimizer steps every G micro-batches; max_steps = ceil(num_train_epochs *
+# (generations per epoch * num_iterations * S // G)) with generations per epoch = rows // (generation_batch_size / k).
+
+RECIPES = Path(__file__).resolve().parent / "trl_recipes"
+ZERO2, ZERO3 = REPO / "infra/accelerate/deepspeed_zero2.yaml", REPO / "infra/accelerate/deepspeed_zero3.yaml"
+
+
+def from_trl(workspace: Path, recipe: Path, *options: str):
+    """`rlhf from-trl RECIPE --out profiles/NAME.yaml ...` in `workspace`; (result, params of the profile)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = workspace / "profiles" / f"{recipe.stem}.yaml"
+    result = CliRunner().invoke(app, ["from-trl", str(recipe), "--out", str(out), *options])
+    assert result.exit_code == 0, result.output
+    return result, load_params(workspace, recipe.stem)
+
+
+def _our_plan(params):
+    from rlhf_core.config import BatchPlan
+
+    return BatchPlan.derive(params.rl_config(), params.runtime.num_processes)
+
+
+def _rates(kind: str, warmup: int, total: int, steps: int, lr: float = 1.0) -> list[float]:
+    """The learning rate of each of `steps` steps of transformers' scheduler `kind` (TRL's and ours both use it)."""
+    import torch
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    scheduler = get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    rates = []
+    for _ in range(steps):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def _our_rates(params) -> list[float]:
+    plan, train = _our_plan(params), params.train
+    return _rates(train.lr_scheduler, int(train.warmup_ratio * plan.num_optimizer_steps), plan.num_optimizer_steps,
+                  plan.num_optimizer_steps)
+
+
+@pytest.mark.parametrize("warmup", [None, 0.1])
+def test_ppo_tldr_keeps_trls_batches_steps_and_schedule(params_dir, warmup):
+    recipe = yaml.safe_load((RECIPES / "ppo_tldr.yaml").read_text())
+    if warmup:  # transformers 5: a warmup_steps below 1 is the share of the scheduler's steps (TRL PPO: updates)
+        recipe["warmup_steps"] = warmup
+        (params_dir / "ppo_tldr.yaml").write_text(yaml.safe_dump(recipe))
+    path = params_dir / "ppo_tldr.yaml" if warmup else RECIPES / "ppo_tldr.yaml"
+    result, params = from_trl(params_dir, path, "--accelerate-config", str(ZERO2))
+    world = 8  # deepspeed_zero2.yaml's num_processes (TRL's and ours)
+    P, G, M, epochs = recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"], 1, 4
+    batch_size = P * G * world
+    mini_batch_size = batch_size // M
+    num_total_batches = math.ceil(recipe["total_episodes"] / batch_size)
+
+    plan = _our_plan(params)
+    assert plan.batch_size == batch_size == 512
+    assert plan.local_mini_batch_size * plan.num_processes == mini_batch_size
+    assert plan.num_updates == num_total_batches == 1954
+    assert plan.num_optimizer_steps == num_total_batches * epochs * M, "PPO epochs x mini-batches per update"
+    # TRL's schedule steps once per update over num_total_batches; ours once per optimizer step: equal at the first
+    # optimizer step of every update, and (linear) lower inside it
+    trl_warmup = math.ceil(num_total_batches * warmup) if warmup else 0
+    trl = _rates("linear", trl_warmup, num_total_batches, num_total_batches)
+    ours = _our_rates(params)
+    steps = epochs * M
+    assert [ours[u * steps] for u in range(num_total_batches)] == pytest.approx(trl, rel=1e-12, abs=1e-15)
+    assert all(ours[u * steps + steps - 1] < trl[u] for u in range(trl_warmup, num_total_batches - 1))
+    train = params.train
+    assert (train.learning_rate, train.kl_coef, train.response_length, train.temperature) == (3e-6, 0.05, 53, 0.7)
+    assert (train.missing_eos_penalty, train.stop_token, train.local_rollout_forward_batch_size) == (1.0, "eos", 16)
+    assert (params.sft.pretrained, params.reward_model.pretrained, params.prepare.prompts) == (
+        recipe["sft_model_path"], recipe["reward_model_path"], "trl-lib/tldr")
+    assert train.adam_eps == 1e-8 and params.runtime.mixed_precision == "bf16"
+    assert train.max_grad_norm == 1.0, "under DeepSpeed accelerate fills gradient_clipping 'auto' with 1.0"
+    text = " ".join(result.output.split())
+    for difference in ("gradient clipping:", "learning-rate schedule:", "Adam epsilon:", "where the score lands:"):
+        assert difference in text, difference
+    assert "train.adam_eps: 1e-08 (set)" in text and "train.max_grad_norm: 1.0 (set)" in text
+    assert "constant within an update | steps once per optimizer step" in text
+    assert text.count("no key of ours reproduces it") >= 2  # the schedule, the score's position
+
+
+def test_ppo_on_a_plain_launch_never_clips(params_dir):
+    result, params = from_trl(params_dir, RECIPES / "ppo_tldr.yaml", "--num-processes", "8")
+    assert params.train.max_grad_norm is None and params.runtime.mixed_precision == "no"
+    assert _our_plan(params).batch_size == 512
+    assert "without clipping" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("warmup", [None, 5])
+def test_rloo_recipe_keeps_trls_generation_steps_and_schedule(params_dir, warmup):
+    recipe = yaml.safe_load((RECIPES / "rloo.yaml").read_text())
+    path = RECIPES / "rloo.yaml"
+    if warmup:
+        recipe["warmup_steps"] = warmup
+        path = params_dir / "rloo.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+    rows, world = 3622, 8  # train[:5%] of NuminaMath-TIR; deepspeed_zero3.yaml's processes
+    result, params = from_trl(params_dir, path, "--accelerate-config", str(ZERO3), "--train-rows", str(rows))
+    P, G = 8, recipe["gradient_accumulation_steps"]  # P: TrainingArguments' default
+    S, iterations, k, epochs = recipe["steps_per_generation"], 1, 2, 3.0
+    generation_batch_size = P * world * S
+    step_batch = P * world * G
+    generations_per_epoch = rows // (generation_batch_size // k)
+    max_steps = math.ceil(epochs * (generations_per_epoch * iterations * S // G))
+
+    plan = _our_plan(params)
+    assert plan.batch_size == generation_batch_size == 512, "one rollout batch is one generation"
+    assert plan.local_mini_batch_size * plan.num_processes == step_batch == 128
+    assert plan.num_optimizer_steps // plan.num_updates == iterations * S // G == 4
+    assert plan.num_optimizer_steps == max_steps == 168
+    assert params.train.rloo.rloo_k == k and params.train.algo == "rloo" and params.train.num_epochs == iterations
+    # the Trainer steps the scheduler per optimizer step over max_steps, as ours does over its optimizer steps
+    trl_warmup = warmup or 0
+    assert _our_rates(params) == pytest.approx(_rates("linear", trl_warmup, max_steps, max_steps), rel=1e-12,
+                                               abs=1e-15)
+    train = params.train
+    assert (train.learning_rate, train.response_length, train.temperature, train.kl_coef) == (1e-5, 1024, 1.0, 0.05)
+    assert (train.missing_eos_penalty, train.max_grad_norm, train.adam_eps) == (None, 1.0, 1e-8)
+    assert (train.use_peft, train.lora_r, train.lora_alpha, train.lora_dropout) == (True, 8, 8, 0.0)
+    assert params.sft.pretrained == "Qwen/Qwen3-0.6B" and params.runtime.mixed_precision == "bf16"
+    text = " ".join(result.output.split())
+    assert "RLOO advantage std eps: (A - mean) / (std + 1e-4)" in text and "(std + 1e-8)" in text
+    assert "reward_funcs=['think_format_reward', 'accuracy_reward']" in text, "a dropped reward is a warning"
+    assert "model_init_kwargs=" in text and "use_vllm" in text
+
+
+def test_a_recipe_sized_in_epochs_needs_the_train_rows(params_dir):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, ["from-trl", str(RECIPES / "rloo.yaml")])
+    assert result.exit_code == 2 and "--train-rows" in result.output, result.output
+
+
+@pytest.mark.parametrize(("P", "G", "M"), [(16, 4, 1), (16, 4, 2), (8, 4, 4), (64, 1, 4), (4, 2, 4), (16, 3, 2)])
+def test_trl_ppo_mini_batches_as_accelerate_steps_them(params_dir, P, G, M):
+    """TRL PPO's update loop (ppo_trainer.py: for each epoch, each mini-batch of P*G/M, micro-batches of P inside
+    `accelerator.accumulate(model)`, `optimizer.step()` after each), run with a real Accelerator: the optimizer steps
+    every G micro-batches across mini-batches. The converted profile takes the same steps of the same episodes."""
+    import torch
+    from accelerate import Accelerator
+
+    from tasks.common.trl_recipe import convert
+
+    epochs, updates = 2, 2
+    accelerator = Accelerator(gradient_accumulation_steps=G, cpu=True)
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = accelerator.prepare(torch.optim.SGD([weight], lr=1.0))
+    local_mini = P * G // M
+    steps, pending = [], 0  # episodes per optimizer step
+    for _ in range(updates):
+        for _ in range(epochs):
+            for _ in range(0, P * G, local_mini):
+                for start in range(0, local_mini, P):
+                    with accelerator.accumulate(weight):
+                        before = weight.detach().clone()
+                        size = min(P, local_mini - start)
+                        accelerator.backward(weight.sum() * size)
+                        optimizer.step()
+                        optimizer.zero_grad()
+                        pending += size
+                        if not torch.equal(before, weight.detach()):
+                            steps.append(pending)
+                            pending = 0
+    recipe = {"per_device_train_batch_size": P, "gradient_accumulation_steps": G, "num_mini_batches": M,
+              "num_ppo_epochs": epochs, "total_episodes": P * G * updates}
+    conversion = convert(recipe, algo="ppo")
+    train = conversion.profile["train"]
+    ours_step = train["per_device_train_batch_size"] * train["gradient_accumulation_steps"]
+    if pending or len(set(steps)) != 1 or len(steps) % (updates * epochs):  # steps straddle epochs: not ours
+        assert any("no split of ours reproduces them" in item for item in conversion.unsupported)
+        return
+    assert not conversion.unsupported
+    assert steps == [ours_step] * (updates * epochs * train["num_mini_batches"]), (steps, train)
+    assert ours_step * train["num_mini_batches"] == P * G, "the same episodes per update"
+
+
+def test_every_key_of_the_recipe_is_accounted_for(params_dir):
+    from tasks.common.trl_recipe import convert, report_lines
+
+    recipe = {**yaml.safe_load((RECIPES / "ppo_tldr.yaml").read_text()),
+              "adam_beta1": 0.8, "stop_token_id": 7, "neftune_noise_alpha": 5.0,  # change training, no equivalent
+              "adam_beta2": 0.999,  # TRL's default: nothing changes
+              "report_to": "wandb", "num_sample_generations": 3,  # bookkeeping
+              "num_generations": 4, "made_up_field": 1,  # RLOO-only in a PPO config, and unknown anywhere
+              "use_peft": True, "lora_target_modules": ["query_key_value"]}  # lora_dropout: TRL's 0.05
+    conversion = convert(recipe, algo="ppo")
+    text = "\n".join(report_lines(conversion))
+    for key in recipe:
+        assert key in text, f"{key} is reported"
+    assert {u.split("=")[0] for u in conversion.unsupported} == {"adam_beta1", "stop_token_id", "neftune_noise_alpha"}
+    assert set(conversion.unknown) == {"num_generations", "made_up_field"}
+    assert {"report_to", "num_sample_generations", "adam_beta2 (TRL's default)"} <= set(conversion.bookkeeping)
+    assert conversion.profile["train"]["lora_dropout"] == 0.0
+    assert any(d.what == "LoRA dropout" and "0.05" in d.trl for d in conversion.differences)
+
+
+def _trl_parse(recipe: Path):
+    """The recipe as TRL 1.9.0's own parser reads it (TrlParser `--config`; bf16 off: this CPU has no bf16 GPU)."""
+    pytest.importorskip("trl", minversion="1.9.0")  # a dev dependency (bench/vs_trl.py's peer)
+    from trl import ModelConfig, ScriptArguments, TrlParser
+    from trl.experimental.ppo import PPOConfig
+    from trl.scripts.rloo import make_parser
+
+    parser = TrlParser((ScriptArguments, PPOConfig, ModelConfig)) if recipe.stem.startswith("ppo") else make_parser()
+    return parser.parse_args_and_config(args=["--config", str(recipe), "--bf16", "false"])
+
+
+def test_the_recipes_are_what_trls_parser_reads_and_rloos_derived_sizes_agree(params_dir, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    _, ppo, ppo_model = _trl_parse(RECIPES / "ppo_tldr.yaml")  # TrlParser refuses a field it does not know
+    assert (ppo.per_device_train_batch_size, ppo.gradient_accumulation_steps, ppo.num_mini_batches) == (16, 4, 1)
+    assert ppo_model.model_name_or_path == "EleutherAI/pythia-1b-deduped"
+    _, rloo, _, _ = _trl_parse(RECIPES / "rloo.yaml")
+    # RLOOConfig derives its generation batch itself (one process here): the converted profile agrees
+    _, params = from_trl(params_dir, RECIPES / "rloo.yaml", "--num-processes", str(rloo.world_size),
+                         "--train-rows", "3622")
+    plan = _our_plan(params)
+    assert plan.batch_size == rloo.generation_batch_size == 64
+    assert params.train.num_mini_batches == rloo.steps_per_generation // rloo.gradient_accumulation_steps
+    assert plan.local_mini_batch_size == rloo.per_device_train_batch_size * rloo.gradient_accumulation_steps
+    assert params.train.rloo.rloo_k == rloo.num_generations and params.train.num_epochs == rloo.num_iterations
+    assert (params.train.kl_coef, params.train.cliprange, params.train.response_length) == (
+        rloo.beta, rloo.epsilon, rloo.max_completion_length)
+
+
+def test_the_default_tables_are_trl_1_9s():
+    """Every default the converter assumes is TRL 1.9.0's dataclass default (TRL is a dev dependency)."""
+    trl = pytest.importorskip("trl")  # a dev dependency (bench/vs_trl.py's peer)
+    if trl.__version__ != "1.9.0":
+        pytest.skip(f"TRL {trl.__version__}, not 1.9.0")
+    import dataclasses
+
+    from trl import ModelConfig, RLOOConfig
+    from trl.experimental.ppo import PPOConfig
+
+    from tasks.common import trl_fields
+
+    def defaults(cls):
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+    for table, cls in ((trl_fields.PPO_FIELDS, PPOConfig), (trl_fields.RLOO_FIELDS, RLOOConfig),
+                       (trl_fields.TRAINING_ARGS, PPOConfig), (trl_fields.MODEL_CONFIG, ModelConfig)):
+        real = defaults(cls)
+        for key, value in table.items():
+            if key in real and key != "learning_rate":  # each trainer overrides TrainingArguments' learning rate
+                assert str(real[key]).lower().endswith(str(value).lower()), (cls.__name__, key, real[key], value)
+    # every field of the script dataclasses is known: none is reported as unknown to TRL
+    from trl import DatasetMixtureConfig
+    from trl.scripts.rloo import RLOOScriptArguments
+
+    covered = {*trl_fields.TRAINING_ARGS, *trl_fields.PPO_FIELDS, *trl_fields.RLOO_FIELDS, *trl_fields.MODEL_CONFIG,
+               *trl_fields.SCRIPT_ARGS, *trl_fields.BOOKKEEPING}
+    for cls in (PPOConfig, RLOOConfig, ModelConfig, RLOOScriptArguments, DatasetMixtureConfig):
+        assert not {f.name for f in dataclasses.fields(cls)} - covered, cls.__name__
