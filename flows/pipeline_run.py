@@ -20,15 +20,18 @@ from tasks.common.mlflow_store import (
     experiment_id,
     experiment_url,
     get_client,
+    is_remote,
     owner_tags,
     run_page_url,
     tracking_enabled,
+    tracking_uri,
     unique_run_name,
 )
 from tasks.common.mlflow_store import run_name as _run_name
-from tasks.common.mlflow_tracker import MlflowTracker
+from tasks.common.mlflow_tracker import MlflowTracker, TrackingUnavailable
 from tasks.common.params import Params, load_params
 from tasks.common.stage_tracking import OVERRIDES_TAG
+from tasks.common.transient import redact
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,8 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
     if not run_id or not tracking_enabled():
         return
     client = get_client(root)
-    tracker = MlflowTracker(client, run_id)
+    uri = tracking_uri(root)  # a server: every write queued and retried through an outage, as a stage's are
+    tracker = MlflowTracker(client, run_id, background=is_remote(uri), server=redact(uri))
     try:
         root = Path(client.get_run(run_id).data.tags.get("rlhf.root", root))
     except Exception as err:
@@ -102,9 +106,12 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
                 log.warning("%s is not a JSON object of metrics", file)
             else:
                 tracker.log_metrics({f"{file.stem}/{k}": v for k, v in figures.items()}, 0)
-    tracker.close()
-    state = status.strip().upper()
-    tracker.safely("end run", client.set_terminated, run_id, _STATUS.get(state, state))
+    state = _STATUS.get(status.strip().upper(), status.strip().upper())
+    tracker.write(f"the run's end ({state})", client.set_terminated, run_id, state)
+    try:
+        tracker.close()
+    except TrackingUnavailable as err:  # the stages' work is done and kept: said, not a failed run
+        log.error("%s", err)
 
 
 def run_url(run_id: str, root: str | Path = ".") -> str | None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from urllib.parse import urlsplit, urlunsplit
+
+from tasks.common.transient import redact
 
 TIMEOUT_ENV = "RLHF_SERVER_CHECK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -18,14 +19,6 @@ DEFAULT_TIMEOUT_S = 10.0
 
 class ServerUnreachable(RuntimeError):
     """A server the environment names cannot be used."""
-
-
-def redact(url: str) -> str:
-    """The URL without a user:password part."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
 
 
 def _timeout() -> float:

@@ -200,7 +200,8 @@ def test_logging_errors_never_fail_but_a_bad_parent_fails_first(mlflow_root, mon
     monkeypatch.delenv("RLHF_PARENT_RUN_ID")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a server that is not there
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    with pytest.raises(TrackingError, match="127.0.0.1:9.*RLHF_TRACKING=off"):
+    monkeypatch.setenv("RLHF_MLFLOW_RETRY_S", "1")  # a server down at the start is waited for this long
+    with pytest.raises(TrackingError, match="127.0.0.1:9.*connection refused.*RLHF_TRACKING=off"):
         track_stage("prepare", mlflow_root, load_params(mlflow_root), lambda: ran.append(1) or {})
     assert not ran
 

@@ -1,15 +1,19 @@
-"""`rlhf_core.tracking.Tracker` on one MLflow run: params and metrics flattened, metrics sent in batches.
+"""`rlhf_core.tracking.Tracker` on one MLflow run, and every other write of a stage to that run: params, metrics,
+tags, artifacts, tables, the run's end.
 
-Logging never fails a stage: after a stage has started, MLflow errors are logged as warnings.
+Against a tracking server (http) every write goes into one ordered queue that a background thread sends, each
+call retried until it gets through while its failure is transient (tasks/common/transient.py: connection
+refused, timeout, HTTP 5xx): training never waits on the network, and a server that drops for a while (a restart,
+a network blip) loses nothing. `close()` waits for the queue to drain for up to RLHF_MLFLOW_RETRY_S seconds
+(default 600) and then raises `TrackingUnavailable`, naming the server and each write not sent: the stage
+fails (its outputs kept), and the flow retries it. A refusal a retry cannot fix (a bad value) is dropped and
+said so, as before. An outage is logged as warnings (the stage's log): the first failed send ("... failed
+(...); buffered, retried until the server takes them"), each write buffered behind it ("server down: ..."), and
+the end ("the server takes metrics ... again after S s and K failed tries; backlog drained: B batches (M metrics)
+sent, none lost"); no line carries a credential (a URL's user:password is cut out). A local sqlite store is
+written in the caller's thread, errors logged and never raised: the local store must not stop a training run.
 
-Against a tracking server (http), metric batches go out from a background thread that retries each one until
-it gets through, in order: training never waits on the network, and a server that drops for a while (a
-restart, a network blip) loses no metric. `close()` waits for the buffer to drain for up to
-RLHF_MLFLOW_RETRY_S seconds (default 600), then says how many metrics were lost. An outage is logged as warnings
-(the stage's log): the first failed send ("... failed (...); buffered, retried until the server takes them"), each
-batch buffered behind it ("server down: N more metrics ... buffered"), and the end ("the server takes metrics ...
-again after S s and K failed tries; backlog drained: B batches (M metrics) sent, none lost"); no line carries a
-credential (a URL's user:password is cut out). A local sqlite store is written in the caller's thread, as before.
+Reads and writes that must happen now (open a run, register a model) use `retrying`: the same retries, in line.
 """
 
 from __future__ import annotations
@@ -23,24 +27,34 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from tasks.common.mlflow_store import TrackingError
 from tasks.common.params import flatten
+from tasks.common.transient import Transient, transient_cause
 
 log = logging.getLogger(__name__)
 
-RETRY_ENV = "RLHF_MLFLOW_RETRY_S"  # how long close() waits for buffered metrics to reach a server that is down
+RETRY_ENV = "RLHF_MLFLOW_RETRY_S"  # how long a write may wait for a tracking server that is down
 DEFAULT_RETRY_S = 600.0
 MAX_BACKOFF_S = 15.0
-# MLflow error codes a retry cannot fix: the batch is dropped (and said so) rather than retried for ever
-_PERMANENT = {"INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "PERMISSION_DENIED",
-              "UNAUTHENTICATED", "BAD_REQUEST"}
 FLUSH_EVERY = 10  # updates per log_batch: one round trip instead of ~50 per update (a server: 4.6 s / 50 calls)
 # MLflow's own limits per log_batch call
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_METRICS_PER_BATCH = 1000
 _MAX_PARAM_VALUE = 6000
+T = TypeVar("T")
+
+
+class TrackingUnavailable(TrackingError):
+    """The tracking server did not take a stage's writes within RLHF_MLFLOW_RETRY_S: which server, and what. It
+    carries the outage's last failure (`transient`): a retry of the stage, later, may well get through."""
+
+    def __init__(self, message: str, transient: Transient | None = None):
+        super().__init__(message)
+        self.transient = transient
 
 
 def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -54,20 +68,30 @@ def _param_value(value: Any) -> str:
     return text[:_MAX_PARAM_VALUE]
 
 
+@dataclass(frozen=True)
+class Write:
+    """One write to the run: what it is in words ("42 params", "artifacts reports/eval"), and the call."""
+
+    what: str
+    send: Callable[[], object]
+    metrics: int = 0  # the metrics it carries (a metric batch): outage lines count them
+
 
 class MlflowTracker:
-    """`rlhf_core.tracking.Tracker` on one MLflow run. Metrics are buffered and sent with one `log_batch`
-    every `flush_every` steps and at `close()`. Errors are logged, never raised: a broken store must not
-    stop a training run."""
+    """`rlhf_core.tracking.Tracker` on one MLflow run, plus `write` for any other call on it. Metrics are
+    buffered and sent with one `log_batch` every `flush_every` steps and at `close()`. With `background` (a
+    tracking server) writes queue in order on a sending thread, retried through outages; else (a local store)
+    each is written in line, its error logged, never raised."""
 
-    def __init__(self, client, run_id: str, flush_every: int = FLUSH_EVERY, background: bool = False):
+    def __init__(self, client, run_id: str, flush_every: int = FLUSH_EVERY, background: bool = False,
+                 server: str = ""):
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
         self.errors = 0
         self.last_step = 0
         self.logged: set[str] = set()  # metric keys with a history already
         self._pending: list = []
         self._steps = 0
-        self._sender = _Sender(client, run_id) if background else None
+        self._sender = _Sender(run_id, server) if background else None
 
     def safely(self, what: str, fn: Callable, *args, **kwargs) -> None:
         try:
@@ -77,13 +101,20 @@ class MlflowTracker:
             if self.errors == 1:
                 log.warning("MLflow %s failed for run %s (%s); the stage goes on without it", what, self.run_id, err)
 
+    def write(self, what: str, fn: Callable, *args, metrics: int = 0, **kwargs) -> None:
+        """`fn(*args, **kwargs)`, a write to this run: queued for the server, or done now on a local store."""
+        if self._sender is not None:
+            self._sender.put(Write(what, lambda: fn(*args, **kwargs), metrics))
+        else:
+            self.safely(what, fn, *args, **kwargs)
+
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
 
         items = [Param(k, _param_value(v)) for k, v in flatten(params).items()]
         for start in range(0, len(items), _MAX_PARAMS_PER_BATCH):
-            self.safely("log params", self.client.log_batch, self.run_id,
-                         params=items[start:start + _MAX_PARAMS_PER_BATCH], synchronous=True)
+            batch = items[start:start + _MAX_PARAMS_PER_BATCH]
+            self.write(f"{len(batch)} params", self.client.log_batch, self.run_id, params=batch, synchronous=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -98,25 +129,37 @@ class MlflowTracker:
             self.flush()
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
-        self.safely("log artifact", self.client.log_artifact, self.run_id, str(path), artifact_path)
+        where = f"{artifact_path}/{path.name}" if artifact_path else path.name
+        self.write(f"artifact {where}", self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         for start in range(0, len(pending), _MAX_METRICS_PER_BATCH):
             batch = pending[start:start + _MAX_METRICS_PER_BATCH]
-            if self._sender is not None:
-                self._sender.put(batch)
-            else:
-                self.safely("log metrics", self.client.log_batch, self.run_id, metrics=batch, synchronous=True)
+            self.write(f"{len(batch)} metrics", _log_metric_batch, self.client, self.run_id, batch,
+                       metrics=len(batch))
 
     def close(self) -> None:
+        """Send what is buffered; with a server, wait up to RLHF_MLFLOW_RETRY_S for it to take every write.
+        Raises TrackingUnavailable naming what it never took."""
         self.flush()
-        if self._sender is not None:
-            lost = self._sender.drain(retry_seconds())
-            if lost:
-                self.errors += 1
-                log.error("MLflow: %d metrics of run %s not sent: the server did not take them within %s s (%s)",
-                          lost, self.run_id, retry_seconds(), RETRY_ENV)
+        if self._sender is None:
+            return
+        unsent, cause = self._sender.drain(retry_seconds())
+        if unsent:
+            self.errors += 1
+            metrics = sum(w.metrics for w in unsent)
+            what = ", ".join(dict.fromkeys(w.what for w in unsent if not w.metrics))
+            listed = f"{metrics} metrics" + (f", {what}" if what else "") if metrics else what
+            raise TrackingUnavailable(
+                f"MLflow at {self._sender.server or 'the tracking server'} did not take run {self.run_id}'s writes "
+                f"within {retry_seconds():.0f} s ({RETRY_ENV}; last failure: {cause or 'none recorded'}). Not sent: "
+                f"{listed}. The stage's outputs are kept: run it again (the flow retries it) once the server is "
+                f"back.", cause)
+
+
+def _log_metric_batch(client, run_id: str, batch: list) -> None:
+    client.log_batch(run_id, metrics=batch, synchronous=True)
 
 
 def retry_seconds() -> float:
@@ -127,8 +170,45 @@ def retry_seconds() -> float:
         raise ValueError(f"{RETRY_ENV}={raw!r}: expected a number of seconds") from None
 
 
-def _permanent(err: Exception) -> bool:
-    return getattr(err, "error_code", None) in _PERMANENT
+def retrying(what: str, fn: Callable[..., T], *args, server: str = "", **kwargs) -> T:
+    """`fn(*args, **kwargs)` now, retried with backoff while its failure is transient, for up to
+    RLHF_MLFLOW_RETRY_S; then TrackingUnavailable naming the server and `what`. Other failures raise as they are."""
+    give_up_at, delay, warned = time.monotonic() + retry_seconds(), 1.0, False
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            cause = transient_cause(err)
+            if cause is None:
+                raise
+            where = server or cause.server or "the tracking server"
+            if time.monotonic() >= give_up_at:
+                raise TrackingUnavailable(f"MLflow at {where} did not answer within {retry_seconds():.0f} s "
+                                          f"({RETRY_ENV}; {cause}): {what} not done", cause) from err
+            if not warned:
+                log.warning("MLflow at %s: %s failed (%s); retried until it answers (up to %.0f s, %s)", where, what,
+                            _describe(err), retry_seconds(), RETRY_ENV)
+                warned = True
+        time.sleep(min(delay, max(give_up_at - time.monotonic(), 0)))
+        delay = min(delay * 2, MAX_BACKOFF_S)
+
+
+class RetryingClient:
+    """An MlflowClient whose every call is `retrying`: for the stages' calls that must happen now (registering
+    a model, reading the registry) against a server that may be restarting."""
+
+    def __init__(self, client, server: str):
+        self._client, self._server = client, server
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            return retrying(name, attr, *args, server=self._server, **kwargs)
+
+        return call
 
 
 def _describe(err: Exception) -> str:
@@ -142,46 +222,51 @@ def _describe(err: Exception) -> str:
 
 
 class _Sender:
-    """One background thread that sends metric batches in order, each retried (backoff up to 15 s) until it
-    gets through; started on the first batch. An outage (from the first failed send until the queue is empty
-    again) is logged: when it starts, each batch buffered meanwhile, and when the backlog has drained."""
+    """One background thread that sends a run's writes in order, each retried (backoff up to 15 s) while its
+    failure is transient; started on the first write. An outage (from the first failed send until the queue is
+    empty again) is logged: when it starts, each write buffered meanwhile, and when the backlog has drained."""
 
-    def __init__(self, client, run_id: str):
-        self.client, self.run_id = client, run_id
-        self._queue: deque[list] = deque()
+    def __init__(self, run_id: str, server: str):
+        self.run_id, self.server = run_id, server
+        self._queue: deque[Write] = deque()
         self._cond = threading.Condition()
-        self._busy = False  # a batch is being sent
+        self._busy = False  # a write is being sent
         self._closing = False
         self._give_up_at = math.inf
-        self._lost = 0
         self._thread: threading.Thread | None = None
         self._down_since: float | None = None  # monotonic time of the outage's first failed send
+        self._cause: Transient | None = None  # the outage's last failure
         self._failures = 0  # failed sends in this outage
-        self._backlog = [0, 0]  # batches, metrics sent since the outage began
+        self._backlog = [0, 0]  # writes, metrics sent since the outage began
 
-    def put(self, batch: list) -> None:
+    def put(self, write: Write) -> None:
         with self._cond:
-            self._queue.append(batch)
+            self._queue.append(write)
             if self._down_since is not None:
-                log.warning("MLflow: server down: %d more metrics of run %s buffered (%d batches, %d metrics waiting)",
-                            len(batch), self.run_id, len(self._queue), sum(len(b) for b in self._queue))
+                waiting = sum(w.metrics for w in self._queue)
+                if write.metrics:
+                    log.warning("MLflow: server down: %d more metrics of run %s buffered (%d batches, %d metrics "
+                                "waiting)", write.metrics, self.run_id, len(self._queue), waiting)
+                else:
+                    log.warning("MLflow: server down: %s of run %s buffered (%d writes waiting)", write.what,
+                                self.run_id, len(self._queue))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"mlflow-metrics-{self.run_id[:8]}", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=f"mlflow-writes-{self.run_id[:8]}", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
 
-    def drain(self, timeout_s: float) -> int:
-        """Wait until every batch is sent or `timeout_s` passes; returns the number of metrics not sent."""
+    def drain(self, timeout_s: float) -> tuple[list[Write], Transient | None]:
+        """Wait until every write is sent or `timeout_s` passes: (the writes not sent, the last failure)."""
         with self._cond:
             self._closing = True
             self._give_up_at = time.monotonic() + timeout_s
             self._cond.notify_all()
             while (self._queue or self._busy) and time.monotonic() < self._give_up_at:
                 self._cond.wait(timeout=0.5)
-            self._lost += sum(len(batch) for batch in self._queue)
+            unsent = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
-            return self._lost
+            return unsent, self._cause
 
     def _run(self) -> None:
         while True:
@@ -190,17 +275,15 @@ class _Sender:
                     if self._closing:
                         return
                     self._cond.wait()
-                batch = self._queue[0]
+                write = self._queue[0]
                 self._busy = True
-            sent = self._send(batch)
+            sent = self._send(write)
             with self._cond:
-                if self._queue and self._queue[0] is batch:
-                    self._queue.popleft()
-                    if not sent:
-                        self._lost += len(batch)
+                if sent is not None and self._queue and self._queue[0] is write:
+                    self._queue.popleft()  # sent, or refused for good (said so); else it stays: not sent
                 if self._down_since is not None and sent:
                     self._backlog[0] += 1
-                    self._backlog[1] += len(batch)
+                    self._backlog[1] += write.metrics
                     if not self._queue:
                         log.warning("MLflow: the server takes metrics of run %s again after %.0f s and %d failed "
                                     "tries; backlog drained: %d batches (%d metrics) sent, none lost", self.run_id,
@@ -209,25 +292,28 @@ class _Sender:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _send(self, batch: list) -> bool:
+    def _send(self, write: Write) -> bool | None:
+        """True: sent; False: refused for good (dropped); None: still failing when the deadline came."""
         delay = 1.0
         while True:
             try:
-                self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+                write.send()
                 return True
             except Exception as err:
-                if _permanent(err):
-                    log.error("MLflow refused %d metrics of run %s (%s); they are dropped", len(batch), self.run_id,
+                cause = transient_cause(err)
+                if cause is None:
+                    log.error("MLflow refused %s of run %s (%s); they are dropped", write.what, self.run_id,
                               _describe(err))
                     return False
                 with self._cond:
                     self._failures += 1
+                    self._cause = cause
                     if self._down_since is None:
                         self._down_since = time.monotonic()
-                        log.warning("MLflow: sending %d metrics of run %s failed (%s); buffered, retried until the "
-                                    "server takes them", len(batch), self.run_id, _describe(err))
+                        log.warning("MLflow: sending %s of run %s failed (%s); buffered, retried until the "
+                                    "server takes them", write.what, self.run_id, _describe(err))
             with self._cond:
                 if time.monotonic() >= self._give_up_at:
-                    return False
+                    return None
                 self._cond.wait(timeout=min(delay, max(self._give_up_at - time.monotonic(), 0)))
             delay = min(delay * 2, MAX_BACKOFF_S)

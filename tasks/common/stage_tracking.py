@@ -1,6 +1,10 @@
 """The MLflow run of one stage: opened before the stage with its params and lineage tags, closed after it
 with its metrics, reports and dvc.lock (FAILED, with the traceback, when the stage raises).
 
+On a tracking server nothing is lost to an outage (tasks/common/mlflow_tracker.py): opening the run is retried
+until the server answers, every later write is queued and retried, and the run is closed only when the server
+has taken them all, else the stage fails naming what was not sent (TrackingUnavailable), its outputs kept.
+
 Run ids are passed explicitly (`MlflowClient`); MLflow's per-thread active run is never used, so stages run
 inside Prefect tasks or DVC subprocesses log to the right run. A stage run nests under the pipeline run named
 by `RLHF_PARENT_RUN_ID` (the flow sets it for the DVC subprocesses), else it is a standalone run.
@@ -40,7 +44,8 @@ from tasks.common.mlflow_store import (
     tracking_uri,
     unique_run_name,
 )
-from tasks.common.mlflow_tracker import MlflowTracker, numeric
+from tasks.common.mlflow_tracker import MlflowTracker, RetryingClient, TrackingUnavailable, numeric
+from tasks.common.transient import redact
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +68,12 @@ class MlflowStageRun:
     tracker: MlflowTracker = field(init=False)
 
     def __post_init__(self):
-        # a tracking server: metrics are buffered and retried from a background thread; a local store: in line
-        self.tracker = MlflowTracker(self.client, self.run_id, background=is_remote(self.uri))
+        # a tracking server: writes are queued and retried from a background thread, and the stage's calls that
+        # must happen now (registering a model) are retried in line; a local store: in line, as they come
+        remote = is_remote(self.uri)
+        self.tracker = MlflowTracker(self.client, self.run_id, background=remote, server=redact(self.uri))
+        if remote:
+            self.client = RetryingClient(self.client, redact(self.uri))
 
 
 _current: ContextVar[MlflowStageRun | None] = ContextVar("rlhf_stage_run", default=None)
@@ -89,13 +98,18 @@ def _section(params, stage: str) -> dict:
 
 
 def _open_stage_run(name: str, root: Path, params, overrides: list[str]) -> MlflowStageRun:
-    client = get_client(root)
+    uri = tracking_uri(root)
+    store = get_client(root)
+    # a server that is restarting: wait for it (up to RLHF_MLFLOW_RETRY_S) rather than fail
+    client = RetryingClient(store, redact(uri)) if is_remote(uri) else store
     parent_id = os.environ.get(PARENT_RUN_ENV, "").strip()
     tags = {**lineage_tags(root, params.base.profile), **data_hashes(root, name), "rlhf.stage": name,
             **owner_tags()}
     if parent_id:
         try:
             parent = client.get_run(parent_id)
+        except TrackingUnavailable:
+            raise
         except Exception as err:
             raise TrackingError(f"{PARENT_RUN_ENV}={parent_id}: no such MLflow run in {tracking_uri(root)} "
                                 f"({err}); unset it to log a standalone stage run") from err
@@ -110,7 +124,7 @@ def _open_stage_run(name: str, root: Path, params, overrides: list[str]) -> Mlfl
     tags[OVERRIDES_TAG] = json.dumps(overrides)
     run = client.create_run(exp, run_name=run_name_, tags=tags)
     end_runs_of_dead_processes(client, exp, run.info.run_id, run_name_)  # a run killed with -9 before this one
-    stage_run = MlflowStageRun(client, run.info.run_id, exp, tracking_uri(root), overrides)
+    stage_run = MlflowStageRun(store, run.info.run_id, exp, uri, overrides)
     stage_run.tracker.log_params(_section(params, name))
     return stage_run
 
@@ -124,7 +138,7 @@ def _log_outputs(run: MlflowStageRun, root: Path, name: str) -> None:
         if not out.startswith(("reports/", "metrics/")) or not path.exists():
             continue
         if path.is_dir():
-            tracker.safely("log artifacts", run.client.log_artifacts, run.run_id, str(path), out)
+            tracker.write(f"artifacts {out}", tracker.client.log_artifacts, run.run_id, str(path), out)
             for table in sorted(path.rglob("*.jsonl")):
                 _log_table(run, table, f"tables/{table.relative_to(root).with_suffix('.json').as_posix()}")
         else:
@@ -137,28 +151,30 @@ def _log_table(run: MlflowStageRun, path: Path, artifact_file: str) -> None:
     import pandas as pd
 
 
-    def log() -> None:
-        rows = [{k: chat.as_text(v) if chat.is_conversation(v) else v for k, v in row.items()}  # messages as lines
-                for row in read_jsonl(path)[:MAX_TABLE_ROWS]]
-        run.client.log_table(run.run_id, data=pd.DataFrame(rows), artifact_file=artifact_file)
-
-    run.tracker.safely("log table", log)
+    rows = [{k: chat.as_text(v) if chat.is_conversation(v) else v for k, v in row.items()}  # messages as lines
+            for row in read_jsonl(path)[:MAX_TABLE_ROWS]]
+    run.tracker.write(f"table {artifact_file}", run.tracker.client.log_table, run.run_id, data=pd.DataFrame(rows),
+                      artifact_file=artifact_file)
 
 
 def _close_stage_run(run: MlflowStageRun, root: Path, name: str, metrics: Mapping[str, Any], status: str,
                      error: str | None = None) -> None:
+    """Queue the stage's last writes, the run's end last, and wait until the store has taken them all (raises
+    TrackingUnavailable when a server never does)."""
+    tracker = run.tracker
     launch = {k: metrics[k] for k in LAUNCH_PARAMS if k in metrics}
     if launch:  # the launch the stage really ran under (runtime.* are what was asked for)
-        run.tracker.log_params(launch)
+        tracker.log_params(launch)
     # the stage's result, but not again where the stage logged a history (train's per-update metrics)
-    summary = {k: v for k, v in numeric(metrics).items() if k not in run.tracker.logged}
+    summary = {k: v for k, v in numeric(metrics).items() if k not in tracker.logged}
     if summary:
-        run.tracker.log_metrics(summary, step=run.tracker.last_step)
-    run.tracker.close()
+        tracker.log_metrics(summary, step=tracker.last_step)
+    tracker.flush()
     _log_outputs(run, root, name)
     if error:
-        run.tracker.safely("log error", run.client.log_text, run.run_id, error, "error.txt")
-    run.tracker.safely("end run", run.client.set_terminated, run.run_id, status)
+        tracker.write("error.txt", tracker.client.log_text, run.run_id, error, "error.txt")
+    tracker.write(f"the run's end ({status})", tracker.client.set_terminated, run.run_id, status)
+    tracker.close()
 
 
 def track_stage(name: str, root: str | Path, params, work: Callable[[], dict], overrides: Sequence[str] = ()) -> dict:
@@ -171,10 +187,12 @@ def track_stage(name: str, root: str | Path, params, work: Callable[[], dict], o
         run = _open_stage_run(name, root, params, list(overrides))
     except Exception as err:
         if asked_for_tracking():  # a server or parent run the user named: fail now, before any work
+            fix = f"Unset MLFLOW_TRACKING_URI to track into the local store, or set {TRACKING_ENV}=off"
+            if isinstance(err, TrackingUnavailable):
+                raise TrackingUnavailable(f"{err}. {fix}", err.transient) from err
             if isinstance(err, TrackingError):
                 raise
-            raise TrackingError(f"MLflow at {tracking_uri(root)}: {err}. Unset MLFLOW_TRACKING_URI to track into "
-                                f"the local store, or set {TRACKING_ENV}=off") from err
+            raise TrackingError(f"MLflow at {redact(tracking_uri(root))}: {err}. {fix}") from err
         # the default local store is ours to manage: run the stage untracked rather than not at all
         log.warning("MLflow tracking unavailable (%s); stage %s runs untracked", err, name)
         return work()
@@ -184,7 +202,10 @@ def track_stage(name: str, root: str | Path, params, work: Callable[[], dict], o
         metrics = work()
     except BaseException as err:
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
-        _close_stage_run(run, root, name, {}, status, traceback.format_exc())
+        try:
+            _close_stage_run(run, root, name, {}, status, traceback.format_exc())
+        except TrackingUnavailable as lost:  # the stage's own error is the story; this one is said beside it
+            log.error("%s", lost)
         raise
     finally:
         _current.reset(token)

@@ -10,7 +10,8 @@ is one of:
 Anything else (a bad key, a missing file, a bug, a refused request) fails the same way on every try.
 
 `Transient` names the condition and, where the exception knows it, the server (scheme://host:port, no
-credentials), so that a retry and the message that gives up both say what was down.
+credentials), so that a retry and the message that gives up both say what was down. An exception of ours that
+gave up on a server carries its `Transient` as the attribute `transient`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import errno
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 _NETWORK_ERRNOS = {errno.ECONNREFUSED: "connection refused", errno.ECONNRESET: "connection reset",
                    errno.ECONNABORTED: "connection aborted", errno.ETIMEDOUT: "timed out",
@@ -53,6 +54,9 @@ def chain(err: BaseException | None) -> Iterator[BaseException]:
 def transient_cause(err: BaseException) -> Transient | None:
     """Why a retry may fix `err`, or None when it would fail again the same way."""
     errors = list(chain(err))
+    marked = next((e.transient for e in errors if isinstance(getattr(e, "transient", None), Transient)), None)
+    if marked is not None:  # an error of ours that knows it (TrackingUnavailable: a server that stayed down)
+        return marked
     server = next(filter(None, map(_server_of, errors)), None)
     # the most telling first: the socket's own errno ("connection refused") before a library's "connection failed"
     for condition_of in (_os_condition, _condition, _library_condition):
@@ -122,3 +126,11 @@ def _server_of(e: BaseException) -> str | None:
     pool = getattr(e, "pool", None) or getattr(e, "conn", None)  # urllib3
     host, port = getattr(pool, "host", None), getattr(pool, "port", None)
     return f"{host}:{port}" if host else None
+
+
+def redact(url: str) -> str:
+    """The URL without a user:password part."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))

@@ -29,7 +29,8 @@ from pathlib import Path
 from rlhf_core.jsonio import JsonFileError, read_json, write_json
 from tasks.common.errors import StageFailed
 from tasks.common.lineage import file_md5
-from tasks.common.mlflow_tracker import numeric
+from tasks.common.mlflow_store import is_remote
+from tasks.common.mlflow_tracker import numeric, retrying
 from tasks.common.params import Params, RegisterParams
 from tasks.common.paths import Paths
 from tasks.common.registry import (
@@ -56,6 +57,7 @@ from tasks.common.registry import (
     version_of_policy,
 )
 from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
+from tasks.common.transient import redact
 
 HEADLINE = ("win_rate_gold", "win_rate_rm", "mean_kl", "mean_score_gold", "mean_score_rm", "eos_rate", "mean_length")
 
@@ -252,11 +254,13 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
             extra["base_model_path"] = str(Path(base).resolve())
     else:
         model = load_policy(policy_dir)
-    with _mlflow_pointed_at(run):
-        info = mlflow.transformers.log_model(
+    with _mlflow_pointed_at(run):  # a server that is restarting: retried until it answers (RLHF_MLFLOW_RETRY_S)
+        info = retrying(
+            f"logging and registering the policy as {model_name}", mlflow.transformers.log_model,
             {"model": model, "tokenizer": load_tokenizer(policy_dir)}, name="policy", task="text-generation",
             pip_requirements=_pip_requirements(adapter.is_file()), registered_model_name=model_name,
-            run_id=run.run_id, model_card=ModelCard(card), **extra)  # a card of our own: no hub lookup
+            run_id=run.run_id, model_card=ModelCard(card), server=redact(run.uri) if is_remote(run.uri) else "",
+            **extra)  # a card of our own: no hub lookup
     merged_from = policy_dir / ADAPTER_DIR
     if merged_from.is_dir():  # the adapter alone (kilobytes to megabytes), for users who serve base + adapter
         run.client.log_artifacts(run.run_id, str(merged_from), ADAPTER_DIR)
