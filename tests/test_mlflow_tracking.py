@@ -255,10 +255,20 @@ def test_a_gpu_machine_logs_system_metrics_into_the_stage_run(mlflow_root, monke
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
     params, client = load_params(mlflow_root), get_client(mlflow_root)
     keys = {}
+    from tasks.common.stage_tracking import current_stage_run
+
+    def sampled() -> dict:  # a stage that runs until the monitor has sampled once (a deadline, not a timing)
+        run_id, give_up = current_stage_run().run_id, time.monotonic() + 120
+        while not any(k.startswith("system/") for k in client.get_run(run_id).data.metrics):
+            assert time.monotonic() < give_up, "no system metric within 120 s"
+            time.sleep(0.1)
+        return {"a": 1}
+
     for gpu in (False, True):
         if gpu:
             monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
-        track_stage("evaluate", mlflow_root, params, lambda: time.sleep(2.0) or {"a": 1})
+        # without nvidia-smi no monitor starts: 2 s of work, 4 of its sampling intervals, leave no system metric
+        track_stage("evaluate", mlflow_root, params, sampled if gpu else lambda: time.sleep(2.0) or {"a": 1})
         [run] = client.search_runs([experiment_id(client, mlflow_root)], order_by=["attributes.start_time DESC"],
                                    max_results=1)
         keys[gpu] = {k for k in run.data.metrics if k.startswith("system/")}
