@@ -43,7 +43,7 @@ from rlhf_core.rollout import (
     stop_mask,
     token_values,
 )
-from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed, modifiable, whole_weights
+from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed, modifiable, whole_weights, zero_stage
 from rlhf_core.scoring import Scorer, WeightedScorer
 from rlhf_core.tracking import NullTracker, Tracker
 
@@ -140,6 +140,7 @@ class RLTrainer:
         self.on_update = on_update
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.state = TrainerState()
+        self.weight_gathers = 0  # ZeRO-3: how often the sharded policy was gathered whole (once per rollout)
         self.sampler = PromptSampler(len(prompts), self.plan.local_prompts, seed=cfg.seed,
                                      rank=self.accelerator.process_index,
                                      num_processes=self.accelerator.num_processes)
@@ -236,6 +237,8 @@ class RLTrainer:
     def _whole_weights(self) -> AbstractContextManager:
         """Under DeepSpeed ZeRO-3: the policy and value weights gathered once per rollout, not once per generated
         token, so generation runs on whole weights and never waits for another rank that stopped earlier."""
+        if zero_stage(self.accelerator) == 3:
+            self.weight_gathers += 1
         return whole_weights(self.accelerator, self.model)
 
     def _rollout_chunk(self, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:

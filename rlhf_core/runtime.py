@@ -130,6 +130,12 @@ def launch_layout(accelerator: Accelerator) -> dict[str, int | str]:
     return {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type.value)}
 
 
+def zero_stage(accelerator: Accelerator) -> int:
+    """The DeepSpeed ZeRO stage the accelerator runs (0: no DeepSpeed)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return 0 if plugin is None else int(plugin.zero_stage)
+
+
 @contextmanager
 def whole_weights(accelerator: Accelerator, engine: nn.Module) -> Iterator[None]:
     """Under DeepSpeed ZeRO-3 each rank holds a shard of `engine`'s (a prepared model's) weights: inside the block
@@ -137,8 +143,7 @@ def whole_weights(accelerator: Accelerator, engine: nn.Module) -> Iterator[None]
     (generation, evaluation) on one rank or on all without any collective and is saved as it is. Every rank enters
     the block. On whole weights the hooks would fetch nothing, but their bookkeeping on every submodule at every
     token made one H100 rollout 7 s instead of 1 s. A no-op without ZeRO-3."""
-    plugin = accelerator.state.deepspeed_plugin
-    if plugin is None or plugin.zero_stage != 3:
+    if zero_stage(accelerator) != 3:
         yield
         return
     import deepspeed

@@ -60,15 +60,21 @@ def test_zero2_and_zero3_update_as_the_plain_stage_does_and_clip_as_configured(w
 
 @pytest.mark.slow
 def test_zero3_on_two_processes_gathers_the_policy_once_per_rollout(workspace):
-    """Each rank holds a shard: the policy is gathered once per rollout, so generation makes no per-token
-    collective a rank that stopped early would leave waiting; the saved policy is whole (gathered)."""
-    roots = prepared(workspace, ["zero3"])
+    """Each rank holds a shard: the policy is gathered once per rollout (counted: one gather per update), so
+    generation makes no per-token collective a rank that stopped early would leave waiting; the update is the
+    plain 2-process run's (torchrun, gloo) on the same global batches, and the saved policy is whole."""
+    roots = prepared(workspace, ["zero3", "ddp"])
     sft = load_file(workspace / "models" / "sft" / "model.safetensors")
+    ddp_metrics, ddp = trained(roots["ddp"], LAYOUTS[2])
+    assert ddp_metrics["distributed_type"] == "MULTI_CPU" and ddp_metrics["weight_gathers"] == 0, ddp_metrics
     config = CONFIGS / "deepspeed_zero3.yaml"
     metrics, policy = trained(roots["zero3"], [*LAYOUTS[2], f"runtime.accelerate_config={config}"])
     assert metrics["distributed_type"] == "DEEPSPEED" and metrics["num_processes"] == 2, metrics
+    assert metrics["weight_gathers"] == metrics["update"] == 2, "one gather per rollout"
     assert {k: v.shape for k, v in policy.items()} == {k: v.shape for k, v in sft.items()}
     assert any(not torch.equal(policy[k], sft[k]) for k in sft), "the policy was trained"
+    for name, weight in ddp.items():
+        torch.testing.assert_close(policy[name], weight, rtol=1e-4, atol=1e-5, msg=name)
 
 
 SCRIPT = Path(__file__).with_name("zero3_rollout.py")

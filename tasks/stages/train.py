@@ -245,6 +245,7 @@ def run(params: Params, paths: Paths) -> dict:
     _publish_traces(paths)
     _write_history(paths.train_history, [results(row) for row in history])
     last = history[-1] if history else {}
-    metrics = {**last, "resumed_from_update": resumed, **runtime.layout, "mixed_precision": acc.mixed_precision}
+    metrics = {**last, "resumed_from_update": resumed, **runtime.layout, "mixed_precision": acc.mixed_precision,
+               "weight_gathers": trainer.weight_gathers}  # ZeRO-3: rollouts on the gathered policy (this process)
     write_json(paths.metrics_file("train"), results(metrics))  # timings and the resume point: reports/execution/
     return metrics
