@@ -237,8 +237,10 @@ class Kind(str, Enum):
 
 @app.command()
 def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .json or .parquet.")],
-             kind: Annotated[Kind, typer.Option(help="Which suite: prompts {prompt}, sft {prompt, completion}, "
-                                                     "preferences {prompt, chosen, rejected}.")],
+             kind: Annotated[Kind, typer.Option(help="Which suite: prompts {prompt}, sft {prompt, completion} or "
+                                                     "TRL's {messages}, preferences {prompt, chosen, rejected} or "
+                                                     "TRL's implicit prompt {chosen, rejected}; also query/post, "
+                                                     "summary/response, reference_response.")],
              tokenizer: Annotated[str | None, typer.Option(help="Policy tokenizer for the token-length bounds "
                                                                "(default: params.yaml prepare.tokenizer, else "
                                                                "models/tokenizer).")] = None,
@@ -250,7 +252,7 @@ def validate(path: Annotated[str, typer.Argument(help="A dataset file: .jsonl, .
                                                                            "prepare.max_completion_tokens)")] = None,
              as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report, not the summary.")] = False,
              ) -> None:
-    """Validate a dataset file with the Great Expectations suite of its kind.
+    """Validate a dataset file with the Great Expectations suite of its kind, in the layout `prepare` reads it.
 
     Exit status: 0 passed, 1 some expectation failed, 2 the file (or tokenizer) could not be read.
     """

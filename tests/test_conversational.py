@@ -202,3 +202,139 @@ def test_the_pipeline_runs_on_the_conversational_world(workspace):
     assert all(isinstance(r["completion"], str) for r in completions)
     evaluation = json.loads((workspace / "metrics" / "eval.json").read_text())
     assert {"win_rate_gold", "win_rate_rm", "mean_kl"} <= set(evaluation)
+
+
+# -- every layout `prepare` reads validates as it is (tasks/common/layouts.py) ----------------------------------------
+
+SYSTEM = {"role": "system", "content": "w9"}
+LAYOUTS = {  # name: (kind, rows as the file holds them, the layout the report names)
+    "sft text": ("sft", [{"prompt": "w2 w3", "completion": "w4"}, {"prompt": "w5", "completion": "w6 w7"}],
+                 "explicit prompt"),
+    "sft conversational prompt-completion": ("sft", CONVERSATIONAL["sft"], "explicit prompt"),
+    "sft TRL messages": ("sft", [{"messages": [SYSTEM, user("w3"), assistant("w4")]},
+                                 {"messages": [user("w3 w5"), assistant("w4"), user("w6"), assistant("w7 w8")]}],
+                         "messages"),
+    "sft post/summary": ("sft", [{"post": "w2 w3", "summary": "w4"}, {"post": "w5", "summary": "w6 w7"}],
+                         "explicit prompt"),
+    "sft query/response": ("sft", [{"query": "w2 w3", "response": "w4"}], "explicit prompt"),
+    "preferences text": ("preferences", [{"prompt": "w2", "chosen": "w4", "rejected": "w5"}], "explicit prompt"),
+    "preferences conversational": ("preferences", CONVERSATIONAL["preferences"], "explicit prompt"),
+    "preferences TRL implicit prompt": ("preferences", [
+        {"chosen": [user("w2"), assistant("w4")], "rejected": [user("w2"), assistant("w5")]},
+        {"chosen": [SYSTEM, user("w3"), assistant("w6")], "rejected": [SYSTEM, user("w3"), assistant("w5 w5")]},
+        {"chosen": [user("w2"), assistant("w3"), user("w4"), assistant("w6")],
+         "rejected": [user("w2"), assistant("w3"), user("w4"), assistant("w7")]}], "implicit prompt"),
+    "preferences query": ("preferences", [{"query": "w2 w3", "chosen": "w4", "rejected": "w5 w6"}],
+                          "explicit prompt"),
+    "prompts text": ("prompts", [{"prompt": "w2 w3"}, {"prompt": "w4", "reference": "w5"}], "explicit prompt"),
+    "prompts conversational": ("prompts", CONVERSATIONAL["prompts"], "explicit prompt"),
+    "prompts query/reference_response": ("prompts", [{"query": "w2 w3", "reference_response": "w4"}, {"query": "w5"}],
+                                         "explicit prompt"),
+    "prompts post": ("prompts", [{"post": "w2 w3", "reference": "w4"}], "explicit prompt"),
+}
+PREPARE_KIND = {"sft": "sft", "preferences": "prefs", "prompts": "prompts"}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_prepare_reads_validates_as_it_is(templated_workspace, name):
+    kind, rows, layout = LAYOUTS[name]
+    result = validate(write_jsonl(templated_workspace / "data.jsonl", rows), kind)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)["datasets"][0]
+    assert report["layout"] == layout
+    checks = {c["description"] for c in report["checks"]}
+    assert any("at most 4 tokens" in d for d in checks) and any("at most 3 tokens" in d for d in checks), checks
+    # prepare reads the same file into rows of our schema, and those pass the stage's suite too
+    prepared = normalize(rows, PREPARE_KIND[kind])
+    assert all(set(row) >= set(layout_fields(kind)) for row in prepared)
+    again = validate(write_jsonl(templated_workspace / "prepared.jsonl", prepared), kind)
+    assert again.exit_code == 0, again.output
+
+
+def layout_fields(kind: str) -> tuple[str, ...]:
+    from tasks.common.layouts import SCHEMA
+
+    return SCHEMA[PREPARE_KIND[kind]]
+
+
+def test_trl_layouts_prepare_does_not_read_fail_naming_what_is_missing(templated_workspace):
+    # TRL's language-modeling `text` and its implicit prompt as plain text are not read by prepare
+    text_lm = validate(write_jsonl(templated_workspace / "lm.jsonl", [{"text": "w2 w3"}]), "sft")
+    failed = [c["description"] for c in json.loads(text_lm.output)["datasets"][0]["checks"] if not c["success"]]
+    assert text_lm.exit_code == 1 and any(d.startswith("column `prompt` exists (or `query`, `post`; or TRL's `messages`")
+                                          for d in failed), failed
+    implicit_text = validate(write_jsonl(templated_workspace / "p.jsonl", [{"chosen": "w2 w4", "rejected": "w2 w5"}]),
+                             "preferences")
+    failed = [c for c in json.loads(implicit_text.output)["datasets"][0]["checks"] if not c["success"]]
+    assert implicit_text.exit_code == 1
+    assert [c["description"].split(" (")[0] for c in failed] == [
+        "`chosen` is a list of {role, content} messages", "`rejected` is a list of {role, content} messages"]
+
+
+def with_row(name: str, row: dict) -> list[dict]:
+    """The good rows of layout `name` plus `row` (row 3 or later)."""
+    return [*LAYOUTS[name][1], row]
+
+
+BROKEN_LAYOUTS = {  # name: (kind, rows, the failed check's description, its rows)
+    "messages end with the user": ("sft", with_row("sft TRL messages", {"messages": [user("w2"), assistant("w3"),
+                                                                                     user("w4")]}),
+                                   "`messages`: an optional system message", [3]),
+    "messages with an unknown role": ("sft", with_row("sft TRL messages", {"messages": [user("w2"),
+                                                                                        {"role": "bot", "content": "w3"}]}),
+                                      "`messages`: an optional system message", [3]),
+    "a blank message": ("sft", with_row("sft TRL messages", {"messages": [user("w2"), assistant(" ")]}),
+                        "every message of `messages` has non-blank text content", [3]),
+    "messages as text": ("sft", with_row("sft TRL messages", {"messages": "w2 w3"}),
+                         "`messages` is a list of {role, content} messages", [3]),
+    "no messages": ("sft", with_row("sft TRL messages", {"other": "w2"}), "`messages` is present", [3]),
+    "messages prompt over budget": ("sft", with_row("sft TRL messages", {"messages": [user("w2 w3 w4 w5 w6"),
+                                                                                      assistant("w7")]}),
+                                    "the prompt of `messages` (all before its closing assistant messages) has at "
+                                    "most 4 tokens", [3]),
+    "messages completion over budget": ("sft", with_row("sft TRL messages", {"messages": [user("w2"),
+                                                                                          assistant("w3 w4 w5 w6")]}),
+                                        "the completion of `messages` (its closing assistant messages) has at most 3",
+                                        [3]),
+    "duplicate messages": ("sft", with_row("sft TRL messages", LAYOUTS["sft TRL messages"][1][0]),
+                           "no duplicate `messages` rows", [1, 3]),
+    "no shared prompt": ("preferences", with_row("preferences TRL implicit prompt", {
+        "chosen": [user("w2"), assistant("w4")], "rejected": [user("w3"), assistant("w5")]}),
+        "`chosen` and `rejected` open with the same prompt", [4]),
+    "an answer restating the conversation": ("preferences", with_row("preferences TRL implicit prompt", {
+        "chosen": [user("w2"), assistant("w4"), user("w6"), assistant("w7")], "rejected": [user("w2"), assistant("w5")]}),
+        "`chosen` after the shared prompt: assistant messages only", [4]),
+    "chosen equals rejected": ("preferences", with_row("preferences TRL implicit prompt", {
+        "chosen": [user("w6"), assistant("w4")], "rejected": [user("w6"), assistant("w4")]}),
+        "`chosen` differs from `rejected`", [4]),
+    "a blank rejected message": ("preferences", with_row("preferences TRL implicit prompt", {
+        "chosen": [user("w2"), assistant("w4")], "rejected": [user("w2"), assistant("")]}),
+        "every message of `rejected` has non-blank text content", [4]),
+    "an implicit answer over budget": ("preferences", with_row("preferences TRL implicit prompt", {
+        "chosen": [user("w2"), assistant("w4")], "rejected": [user("w2"), assistant("w5 w6 w7 w8")]}),
+        "`rejected` after the shared prompt has at most 3 tokens", [4]),
+    "a shared prompt over budget": ("preferences", with_row("preferences TRL implicit prompt", {
+        "chosen": [user("w2 w3 w4 w5 w6"), assistant("w4")], "rejected": [user("w2 w3 w4 w5 w6"), assistant("w5")]}),
+        "the prompt `chosen` and `rejected` share has at most 4 tokens", [4]),
+    "duplicate pairs": ("preferences", with_row("preferences TRL implicit prompt",
+                                                LAYOUTS["preferences TRL implicit prompt"][1][0]),
+                        "no duplicate (`chosen`, `rejected`) rows", [1, 4]),
+    "a blank summary": ("sft", with_row("sft post/summary", {"post": "w2", "summary": " "}), "`summary` is not blank",
+                        [3]),
+    "a query over budget": ("prompts", with_row("prompts query/reference_response", {"query": "w2 w3 w4 w5 w6"}),
+                            "`query` has at most 4 tokens", [3]),
+    "a reference_response over budget": ("prompts", with_row("prompts query/reference_response", {
+        "query": "w8", "reference_response": "w2 w3 w4 w5"}), "`reference_response` has at most 3 tokens", [3]),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_LAYOUTS)
+def test_a_broken_layout_fails_naming_its_own_column_and_rows(templated_workspace, name):
+    kind, rows, description, bad_rows = BROKEN_LAYOUTS[name]
+    result = validate(write_jsonl(templated_workspace / "data.jsonl", rows), kind)
+    assert result.exit_code == 1, result.output
+    failed = [c for c in json.loads(result.output)["datasets"][0]["checks"] if not c["success"]]
+    matching = [c for c in failed if c["description"].startswith(description)]
+    assert matching, [c["description"] for c in failed]
+    assert matching[0]["rows"] == bad_rows
+    assert len(failed) == 1, f"one problem, one failed check: {[c['description'] for c in failed]}"

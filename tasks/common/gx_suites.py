@@ -1,11 +1,16 @@
-"""Great Expectations suites for the three dataset kinds, and their results as plain report entries.
+"""Great Expectations suites for the three dataset kinds in each layout `prepare` reads, and their results as plain
+report entries.
 
-A suite is a list of GX expectations built from the kind, the columns the frame has and the token budgets.
+A suite is a list of GX expectations built from the layout (tasks/common/layouts.py: our columns or their aliases,
+TRL's `messages`, TRL's implicit-prompt pairs), the columns the frame has and the token budgets; it names the
+file's own columns.
+
 Token lengths are not something GX can measure, so the frame gets a `<column>_tokens` column (counts of the
 policy tokenizer, of the text the chat template renders for a conversation) that a plain
 `ExpectColumnValuesToBeBetween` bounds. Conversations (TRL's message lists) get the same treatment: their structure
-becomes plain columns (`<column>_roles`, `<column>_blank_messages`, `formats`) that regex, range and set
-expectations check. Rows are numbered from 1 (the frame's
+becomes plain columns (`<column>_roles`, `<column>_blank_messages`, `formats`; for a prompt inside the
+conversation, the parts `prepare` splits it into: `messages_prompt_tokens`, `shared_prompt_roles`,
+`chosen_answer_roles`, ...) that regex, range and set expectations check. Rows are numbered from 1 (the frame's
 index), so every unexpected row GX reports is the row number a user finds in the file. Values that are not
 strings reach GX as their JSON text (tasks/stages/validate.py reports them with a plain check): GX fingerprints and
 hashes every value, and a raw JSON list would crash it.
@@ -18,9 +23,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from tasks.common.layouts import EXPLICIT, IMPLICIT, MESSAGES, SCHEMA, Layout
+
 KINDS = ("prompts", "sft", "preferences")
-REQUIRED = {"prompts": ("prompt",), "sft": ("prompt", "completion"), "preferences": ("prompt", "chosen", "rejected")}
-OPTIONAL = {"prompts": ("reference",), "sft": (), "preferences": ()}  # checked like the others when present
+LAYOUT_KIND = {"prompts": "prompts", "sft": "sft", "preferences": "prefs"}  # validate's kind -> prepare's
 MAX_EXAMPLES = 5  # example rows per failed expectation in the report
 MAX_ROWS = 50  # row numbers listed per failed expectation
 MAX_CHARS = 160  # long texts are cut in examples
@@ -35,18 +41,16 @@ class TokenBudget:
     max_completion_tokens: int
     template_kwargs: Mapping = field(default_factory=dict)  # prepare.chat_template_kwargs
 
-    def limit(self, column: str) -> int:
-        return self.max_prompt_tokens if column == "prompt" else self.max_completion_tokens
-
-
-def text_columns(kind: str, frame: pd.DataFrame) -> list[str]:
-    """The kind's text columns that the frame has."""
-    return [c for c in REQUIRED[kind] + OPTIONAL[kind] if c in frame.columns]
+    def limit(self, name: str) -> int:
+        """The budget of our field `name` (prompt, completion, chosen, ...)."""
+        return self.max_prompt_tokens if name == "prompt" else self.max_completion_tokens
 
 
 # A prompt: an optional system message, then user and assistant turns alternating, the last from the user.
 PROMPT_ROLES = r"^(?:system,)?user(?:,assistant,user)*$"
 ANSWER_ROLES = r"^assistant(?:,assistant)*$"  # the conversation before an answer belongs in `prompt`
+CONVERSATION_ROLES = r"^(?:system,)?user(?:,assistant,user)*(?:,assistant)+$"  # a prompt, then the answer
+PROMPT_WHAT = "an optional system message, then user and assistant turns alternating, the last from the user"
 SAME_FORMAT = {"text", "messages"}  # every text column of a row: all text or all messages
 
 
@@ -62,52 +66,135 @@ def with_token_counts(frame: pd.DataFrame, texts: Mapping[str, Sequence[str | No
     return frame
 
 
-def build_suite(kind: str, frame: pd.DataFrame, budget: TokenBudget) -> list:
-    """The expectations for a frame of this kind; each carries a readable description."""
+def build_suite(layout: Layout, frame: pd.DataFrame, budget: TokenBudget) -> list:
+    """The expectations for a frame of this layout (tasks/common/layouts.py); each carries a readable description
+    naming the file's own columns."""
+    assert layout.kind in LAYOUT_KIND.values(), f"unknown kind {layout.kind!r}"
+    build = {EXPLICIT: _explicit_suite, MESSAGES: _messages_suite, IMPLICIT: _implicit_suite}[layout.name]
+    return build(layout, set(frame.columns), budget)
+
+
+def _explicit_suite(layout: Layout, present: set[str], budget: TokenBudget) -> list:
+    """{prompt, ...} as text or messages, under our names or their aliases."""
     import great_expectations.expectations as gxe
 
-    assert kind in KINDS, f"unknown kind {kind!r}; expected one of {KINDS}"
-    suite = [gxe.ExpectColumnToExist(column=c, description=f"column `{c}` exists") for c in REQUIRED[kind]]
-    for c in text_columns(kind, frame):
-        if c in REQUIRED[kind]:  # an optional column may be missing from some rows, never blank
+    col = dict(layout.columns)
+    hint = {"sft": " (or `query`, `post`; or TRL's `messages` alone)",
+            "prefs": " (or `query`, `post`; or TRL's implicit prompt: conversations in `chosen` and `rejected`)",
+            "prompts": " (or `query`, `post`)"}[layout.kind]
+    suite = [gxe.ExpectColumnToExist(column=col[f], description=f"column `{col[f]}` exists"
+                                     + (hint if f == "prompt" and col[f] == "prompt" else ""))
+             for f in SCHEMA[layout.kind]]
+    fields = [(f, c) for f, c in col.items() if c in present]
+    for f, c in fields:
+        if f in SCHEMA[layout.kind]:  # an optional column may be missing from some rows, never blank
             suite.append(gxe.ExpectColumnValuesToNotBeNull(column=c, description=f"`{c}` is present (not null or missing)"))
         suite.append(gxe.ExpectColumnValuesToMatchRegex(column=c, regex=r"\S", description=f"`{c}` is not blank"))
         if budget.tokenizer is not None:
-            suite.append(gxe.ExpectColumnValuesToBeBetween(
-                column=f"{c}_tokens", min_value=0, max_value=budget.limit(c),
-                description=f"`{c}` has at most {budget.limit(c)} tokens (policy tokenizer)"))
-    present = set(frame.columns)
-    for c in text_columns(kind, frame):
+            suite.append(_at_most(f"{c}_tokens", budget.limit(f), f"`{c}`"))
+    for f, c in fields:
         if f"{c}_roles" in present:
-            regex, what = (PROMPT_ROLES, "an optional system message, then user and assistant turns alternating, "
-                           "the last from the user") if c == "prompt" else \
-                (ANSWER_ROLES, "assistant messages only (the conversation before it belongs in `prompt`)")
-            suite += [
-                gxe.ExpectColumnValuesToMatchRegex(column=f"{c}_roles", regex=regex,
-                                                   description=f"`{c}` as messages: {what}"),
-                gxe.ExpectColumnValuesToBeBetween(column=f"{c}_blank_messages", min_value=0, max_value=0,
-                                                  description=f"every message of `{c}` has non-blank text content"),
-            ]
+            regex, what = (PROMPT_ROLES, PROMPT_WHAT) if f == "prompt" else \
+                (ANSWER_ROLES, f"assistant messages only (the conversation before it belongs in `{col['prompt']}`)")
+            suite += [gxe.ExpectColumnValuesToMatchRegex(column=f"{c}_roles", regex=regex,
+                                                         description=f"`{c}` as messages: {what}"),
+                      _no_blank_messages(c)]
     if "formats" in present:
-        answers = [c for c in text_columns(kind, frame) if c != "prompt"]
+        answers = [c for f, c in fields if f != "prompt"]
         suite.append(gxe.ExpectColumnValuesToBeInSet(
             column="formats", value_set=sorted(SAME_FORMAT),
-            description=f"{', '.join(f'`{c}`' for c in answers)} answer the row's own `prompt` in its format "
-                        "(all text, or all messages)"))
-    if kind == "prompts" and "prompt" in present:
+            description=f"{', '.join(f'`{c}`' for c in answers)} answer the row's own `{col['prompt']}` in its "
+                        "format (all text, or all messages)"))
+    prompt = col["prompt"]
+    if layout.kind == "prompts" and prompt in present:
         # RL and evaluation prompts are drawn once each: a repeat skews both
-        suite.append(gxe.ExpectColumnValuesToBeUnique(column="prompt", description="each `prompt` appears once"))
-    if kind == "sft" and {"prompt", "completion"} <= present:
-        suite.append(gxe.ExpectCompoundColumnsToBeUnique(
-            column_list=["prompt", "completion"], description="no duplicate (`prompt`, `completion`) rows"))
-    if kind == "preferences" and {"prompt", "chosen", "rejected"} <= present:
-        suite += [
-            gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(
-                column_list=["chosen", "rejected"], description="`chosen` differs from `rejected`"),
-            gxe.ExpectCompoundColumnsToBeUnique(
-                column_list=["prompt", "chosen", "rejected"], description="no duplicate (`prompt`, `chosen`, `rejected`) rows"),
-        ]
+        suite.append(gxe.ExpectColumnValuesToBeUnique(column=prompt, description=f"each `{prompt}` appears once"))
+    if layout.kind == "sft" and {prompt, col["completion"]} <= present:
+        suite.append(_unique_rows([prompt, col["completion"]]))
+    if layout.kind == "prefs" and {prompt, "chosen", "rejected"} <= present:
+        suite += [_chosen_differs(), _unique_rows([prompt, "chosen", "rejected"])]
     return suite
+
+
+def _messages_suite(layout: Layout, present: set[str], budget: TokenBudget) -> list:
+    """TRL's language modeling `messages`: the conversation is checked as it is; its prompt (all but the closing
+    assistant messages) and completion (those) against the token budgets, as `prepare` splits them."""
+    import great_expectations.expectations as gxe
+
+    suite = [gxe.ExpectColumnToExist(column="messages", description="column `messages` exists")]
+    if "messages" not in present:
+        return suite
+    suite += [
+        gxe.ExpectColumnValuesToNotBeNull(column="messages", description="`messages` is present (not null or missing)"),
+        gxe.ExpectColumnValuesToMatchRegex(
+            column="messages_roles", regex=CONVERSATION_ROLES,
+            description="`messages`: an optional system message, then user and assistant turns alternating, ending "
+                        "with the assistant's answer"),
+        _no_blank_messages("messages"),
+    ]
+    if budget.tokenizer is not None:
+        suite += [_at_most("messages_prompt_tokens", budget.max_prompt_tokens,
+                           "the prompt of `messages` (all before its closing assistant messages)"),
+                  _at_most("messages_completion_tokens", budget.max_completion_tokens,
+                           "the completion of `messages` (its closing assistant messages)")]
+    suite.append(gxe.ExpectColumnValuesToBeUnique(column="messages", description="no duplicate `messages` rows"))
+    return suite
+
+
+def _implicit_suite(layout: Layout, present: set[str], budget: TokenBudget) -> list:
+    """TRL's implicit-prompt preferences: `chosen` and `rejected` each the whole conversation, opening with the same
+    prompt (their shared leading messages, as `prepare` extracts it) and ending with different answers."""
+    import great_expectations.expectations as gxe
+
+    suite = [gxe.ExpectColumnToExist(column=c, description=f"column `{c}` exists") for c in ("chosen", "rejected")]
+    answers = [c for c in ("chosen", "rejected") if c in present]
+    for c in answers:
+        suite += [gxe.ExpectColumnValuesToNotBeNull(column=c, description=f"`{c}` is present (not null or missing)"),
+                  _no_blank_messages(c)]
+    if "shared_prompt_roles" in present:
+        suite.append(gxe.ExpectColumnValuesToMatchRegex(
+            column="shared_prompt_roles", regex=PROMPT_ROLES,
+            description=f"`chosen` and `rejected` open with the same prompt: {PROMPT_WHAT}"))
+    for c in answers:
+        suite.append(gxe.ExpectColumnValuesToMatchRegex(
+            column=f"{c}_answer_roles", regex=ANSWER_ROLES,
+            description=f"`{c}` after the shared prompt: assistant messages only"))
+    if budget.tokenizer is not None and answers:
+        suite.append(_at_most("shared_prompt_tokens", budget.max_prompt_tokens,
+                              "the prompt `chosen` and `rejected` share"))
+        suite += [_at_most(f"{c}_answer_tokens", budget.max_completion_tokens, f"`{c}` after the shared prompt")
+                  for c in answers]
+    if len(answers) == 2:
+        suite += [_chosen_differs(), _unique_rows(["chosen", "rejected"])]
+    return suite
+
+
+def _at_most(column: str, limit: int, what: str):
+    import great_expectations.expectations as gxe
+
+    return gxe.ExpectColumnValuesToBeBetween(column=column, min_value=0, max_value=limit,
+                                             description=f"{what} has at most {limit} tokens (policy tokenizer)")
+
+
+def _no_blank_messages(column: str):
+    import great_expectations.expectations as gxe
+
+    return gxe.ExpectColumnValuesToBeBetween(column=f"{column}_blank_messages", min_value=0, max_value=0,
+                                             description=f"every message of `{column}` has non-blank text content")
+
+
+def _chosen_differs():
+    import great_expectations.expectations as gxe
+
+    return gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord(column_list=["chosen", "rejected"],
+                                                              description="`chosen` differs from `rejected`")
+
+
+def _unique_rows(columns: list[str]):
+    import great_expectations.expectations as gxe
+
+    return gxe.ExpectCompoundColumnsToBeUnique(
+        column_list=columns, description=f"no duplicate ({', '.join(f'`{c}`' for c in columns)}) rows")
 
 
 def run_suites(batches: Mapping[str, tuple[pd.DataFrame, list]]) -> dict[str, list[dict]]:

@@ -1,8 +1,8 @@
 """Stage `prepare`: the canonical datasets and the tokenizer.
 
 Reads the built-in world or real sources (local JSONL / Parquet, saved datasets, hub ids), normalizes
-rows to the canonical schema, drops exact duplicates and over-long rows (counting both), and writes
-`data/<split>.jsonl` plus `models/tokenizer/`.
+rows of every layout it reads (tasks/common/layouts.py) to the canonical schema, drops exact duplicates and
+over-long rows (counting both), and writes `data/<split>.jsonl` plus `models/tokenizer/`.
 
 Conversational rows (TRL's format) stay messages in `data/`; their token lengths are those of the text the
 chat template renders (rlhf_core/chat.py), which the tokenizer saved here carries to every later stage.
@@ -20,38 +20,9 @@ from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.sources import load_rows
 from rlhf_core.world.generator import build_world
 from rlhf_core.world.tokenizer import train_tokenizer
+from tasks.common.layouts import normalize
 from tasks.common.params import Params, PrepareParams
 from tasks.common.paths import SPLITS, Paths
-
-SCHEMA = {"sft": ("prompt", "completion"), "prefs": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
-# Column names used by public TL;DR-style datasets, mapped to ours.
-ALIASES = {"query": "prompt", "post": "prompt", "summary": "completion", "response": "completion",
-           "reference_response": "reference", "reference": "reference"}
-
-
-def normalize(rows: Sequence[dict], kind: str) -> list[dict]:
-    """Rename known aliases, convert TRL's other conversational layouts, and keep the canonical columns (plus
-    `reference` for prompts)."""
-    keep = SCHEMA[kind] + (("reference",) if kind == "prompts" else ())
-    out = []
-    for row in rows:
-        renamed = _explicit_prompt({ALIASES.get(k, k): v for k, v in row.items()}, kind)
-        out.append({k: renamed[k] for k in keep if k in renamed})
-    return out
-
-
-def _explicit_prompt(row: dict, kind: str) -> dict:
-    """TRL's language-modeling rows (`messages`) and implicit-prompt pairs (the conversation repeated in
-    `chosen` and `rejected`) with the prompt in its own column; other rows unchanged."""
-    if "prompt" in row:
-        return row
-    if kind == "sft" and chat.is_conversation(row.get("messages")):
-        prompt, completion = chat.split_conversation(row["messages"])
-        return {**row, "prompt": prompt, "completion": completion}
-    if kind == "prefs" and chat.is_conversation(row.get("chosen")) and chat.is_conversation(row.get("rejected")):
-        prompt, chosen, rejected = chat.extract_shared_prompt(row["chosen"], row["rejected"])
-        return {**row, "prompt": prompt, "chosen": chosen, "rejected": rejected}
-    return row
 
 
 def dedupe(rows: Sequence[dict]) -> list[dict]:

@@ -6,6 +6,10 @@ train and eval splits, and files that cannot be read at all. The stage writes `r
 (every expectation: column, success, unexpected count, example rows), `reports/validation/summary.md` (each
 failed expectation with example rows) and `metrics/validate.json`, then fails when anything failed, so
 `dvc repro` never trains on data that failed validation.
+
+`rlhf validate FILE --kind K` checks a source file as it is, in whichever layout `prepare` reads it
+(tasks/common/layouts.py: our columns or their aliases, TRL's `messages`, TRL's implicit-prompt pairs), so a file
+passes here exactly when `prepare` can read it into rows that pass the stage's checks.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.sources import SourceError, load_rows
 from tasks.common.errors import StageFailed
 from tasks.common.gx_suites import (
+    LAYOUT_KIND,
     TokenBudget,
     build_suite,
     entry,
     run_suites,
-    text_columns,
     with_token_counts,
 )
+from tasks.common.layouts import EXPLICIT, IMPLICIT, MESSAGES, Layout, detect_layout, explicit_prompt
 from tasks.common.params import Params, ParamsError, load_params
 from tasks.common.paths import SPLITS, Paths
 
@@ -73,30 +78,61 @@ def _is_null(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def to_frame(rows: list[dict], kind: str) -> tuple[pd.DataFrame, list[dict]]:
-    """The kind's text columns as a frame whose index is the row number (from 1), and the plain check that
-    every value is text or a conversation (TRL's list of {role, content} messages); other values (numbers, odd
-    lists) reach GX as their JSON text. A conversational dataset also gets its structure as plain columns:
-    `<column>_roles`, `<column>_blank_messages` and the row's `formats` (all text, all messages, or mixed)."""
+def to_frame(rows: list[dict], layout: Layout) -> tuple[pd.DataFrame, list[dict]]:
+    """The layout's columns, as the file names them, in a frame whose index is the row number (from 1), and the
+    plain check that every value is text or a conversation (TRL's list of {role, content} messages; only a
+    conversation where the prompt lives inside it); other values (numbers, odd lists) reach GX as their JSON text.
+    A conversational dataset also gets its structure as plain columns: `<column>_roles`, `<column>_blank_messages`,
+    the row's `formats` (all text, all messages, or mixed) and, for an implicit prompt, the roles of the prompt
+    `chosen` and `rejected` share and of the answers after it."""
     frame = pd.DataFrame(rows, index=pd.RangeIndex(1, len(rows) + 1), dtype=object)
-    columns = text_columns(kind, frame)
+    columns = [c for c in layout.columns.values() if c in frame.columns]
     frame = frame[columns]
-    conversational = any(chat.is_conversation(v) for c in columns for v in frame[c])
+    conversational = layout.conversation_only or any(chat.is_conversation(v) for c in columns for v in frame[c])
     checks = []
     for column in columns:
         values = frame[column].tolist()
-        bad = [(row, v) for row, v in zip(frame.index, values, strict=True)
-               if not (_is_null(v) or chat.value_format(v) != "invalid")]
-        checks.append(entry("values_are_text_or_messages",
-                            f"`{column}` is a string or a list of {{role, content}} messages", column, bad))
+        if layout.conversation_only:
+            bad = [(row, v) for row, v in zip(frame.index, values, strict=True)
+                   if not (_is_null(v) or chat.is_conversation(v))]
+            checks.append(entry("values_are_messages", f"`{column}` is a list of {{role, content}} messages (the "
+                                f"{layout.name} layout: the prompt is inside the conversation)", column, bad))
+        else:
+            bad = [(row, v) for row, v in zip(frame.index, values, strict=True)
+                   if not (_is_null(v) or chat.value_format(v) != "invalid")]
+            checks.append(entry("values_are_text_or_messages",
+                                f"`{column}` is a string or a list of {{role, content}} messages", column, bad))
         frame[column] = [None if _is_null(v) else v if isinstance(v, str) else json.dumps(v) for v in values]
         if conversational:
             frame[f"{column}_roles"] = [chat.roles(v) for v in values]
             frame[f"{column}_blank_messages"] = pd.Series([chat.blank_messages(v) for v in values],
                                                           index=frame.index, dtype="Int64")
-    if conversational and len(columns) > 1:
+    if layout.name == IMPLICIT and len(columns) == 2:
+        parts = [_implicit_parts(row) for row in rows]
+        frame["shared_prompt_roles"] = [p and ",".join(str(m["role"]) for m in p[0]) for p in parts]
+        for i, name in ((1, "chosen_answer"), (2, "rejected_answer")):  # no shared prompt: that check says so
+            frame[f"{name}_roles"] = [",".join(str(m["role"]) for m in p[i]) if p and p[0] else None for p in parts]
+    if layout.name == EXPLICIT and conversational and len(columns) > 1:
         frame["formats"] = [_row_format([row.get(c) for c in columns]) for row in rows]
     return frame, checks
+
+
+def _implicit_parts(row: dict) -> tuple[list, list, list] | None:
+    """(shared prompt, chosen answer, rejected answer) as `prepare` extracts them; None unless both are messages."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if not (chat.is_conversation(chosen) and chat.is_conversation(rejected)):
+        return None
+    return chat.extract_shared_prompt(chosen, rejected)
+
+
+def measured(layout: Layout) -> dict[str, str]:
+    """Our field -> the frame column whose token count bounds it (`<column>_tokens`): the file's column, or for a
+    prompt inside conversations the part `prepare` splits off."""
+    if layout.name == MESSAGES:
+        return {"prompt": "messages_prompt", "completion": "messages_completion"}
+    if layout.name == IMPLICIT:
+        return {"prompt": "shared_prompt", "chosen": "chosen_answer", "rejected": "rejected_answer"}
+    return dict(layout.columns)
 
 
 def _row_format(values: list) -> str | None:
@@ -107,19 +143,23 @@ def _row_format(values: list) -> str | None:
     return formats[0] if len(set(formats)) == 1 else "/".join(formats)
 
 
-def rendered_texts(rows: list[dict], columns: list[str], budget: TokenBudget) -> tuple[dict[str, list], dict]:
-    """Each column's values as the policy reads them (conversations through the tokenizer's chat template), and
-    the plain check that every conversation renders."""
-    texts: dict[str, list] = {c: [] for c in columns}
+def rendered_texts(rows: list[dict], layout: Layout, budget: TokenBudget) -> tuple[dict[str, list], dict]:
+    """Each measured part (see `measured`) as the policy reads it: the row as `prepare` converts it, conversations
+    through the tokenizer's chat template; and the plain check that every conversation renders. A row whose
+    conversation is malformed has no parts (its structure checks report it)."""
+    parts = measured(layout)
+    texts: dict[str, list] = {column: [] for column in parts.values()}
     failed = []
     for number, row in enumerate(rows, 1):
-        try:
-            rendered = chat.render_row({c: row.get(c) for c in columns}, budget.tokenizer, budget.template_kwargs)
-        except Exception as err:  # noqa: BLE001 - Jinja and templates raise anything; the report says what
-            rendered = {}
-            failed.append((number, f"{type(err).__name__}: {err}"))
-        for c in columns:
-            texts[c].append(rendered.get(c))
+        ours = explicit_prompt(row, layout.kind)
+        rendered = {}
+        if not layout.conversation_only or all(chat.is_conversation(ours.get(f)) for f in parts):
+            try:
+                rendered = chat.render_row({f: ours.get(f) for f in parts}, budget.tokenizer, budget.template_kwargs)
+            except Exception as err:  # noqa: BLE001 - Jinja and templates raise anything; the report says what
+                failed.append((number, f"{type(err).__name__}: {err}"))
+        for field, column in parts.items():
+            texts[column].append(rendered.get(field))
     check = entry("conversations_render", "conversations render with the tokenizer's chat template", "", failed)
     return texts, check
 
@@ -146,7 +186,7 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
                    root: Path | None = None) -> dict:
     """Validate each named (path, kind); with cross_split, eval splits must share no prompt with train splits.
 
-    Returns the report: {success, token_budget, datasets: [{name, path, kind, rows, success, checks}]}.
+    Returns the report: {success, token_budget, datasets: [{name, path, kind, layout, rows, success, checks}]}.
     """
     reports, batches, plain, frames = {}, {}, {}, {}
     for name, (path, kind) in datasets.items():
@@ -156,15 +196,16 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
         except ValidateError as err:
             reports[name]["checks"] = [entry("file_is_readable", "the file can be read", "", [], error=str(err))]
             continue
-        frame, plain[name] = to_frame(rows, kind)
+        layout = detect_layout(rows, LAYOUT_KIND[kind])
+        frame, plain[name] = to_frame(rows, layout)
         frames[name] = frame
         if budget.tokenizer is not None:
-            texts, rendering = rendered_texts(rows, text_columns(kind, frame), budget)
+            texts, rendering = rendered_texts(rows, layout, budget)
             frame = with_token_counts(frame, texts, budget.tokenizer)
             if any(c.endswith("_roles") for c in frame.columns):  # conversational: rendering is a check too
                 plain[name].append(rendering)
-        batches[name] = (frame, build_suite(kind, frame, budget))
-        reports[name]["rows"] = len(rows)
+        batches[name] = (frame, build_suite(layout, frame, budget))
+        reports[name].update(rows=len(rows), layout=layout.name)
     results = run_suites(batches) if batches else {}
     leaks = leakage_checks(frames) if cross_split else {}
     for name, gx_checks in results.items():
@@ -223,10 +264,11 @@ def summary_markdown(report: dict) -> str:
     else:
         lines += [f"Token budgets ({budget['tokenizer']}): prompt ≤ {budget['max_prompt_tokens']}, "
                   f"completions ≤ {budget['max_completion_tokens']}.", ""]
-    lines += ["| dataset | kind | rows | checks | failed |", "|---|---|---:|---:|---:|"]
+    lines += ["| dataset | kind | layout | rows | checks | failed |", "|---|---|---|---:|---:|---:|"]
     for d in report["datasets"]:
         bad = sum(not c["success"] for c in d["checks"])
-        lines.append(f"| {d['name']} | {d['kind']} | {d['rows']} | {len(d['checks'])} | {bad} |")
+        lines.append(f"| {d['name']} | {d['kind']} | {d.get('layout', '')} | {d['rows']} | {len(d['checks'])} "
+                     f"| {bad} |")
     for d in report["datasets"]:
         bad = [c for c in d["checks"] if not c["success"]]
         if not bad:
