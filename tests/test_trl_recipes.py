@@ -255,6 +255,21 @@ def test_rloo_recipe_keeps_trls_generation_steps_and_schedule(params_dir, warmup
     assert "model_init_kwargs=" in text and "use_vllm" in text
 
 
+def test_without_out_the_profile_is_printed_with_the_report_as_comments(params_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    monkeypatch.chdir(params_dir)
+    printed = CliRunner().invoke(app, ["from-trl", str(RECIPES / "ppo_tldr.yaml"), "--num-processes", "8"])
+    assert printed.exit_code == 0, printed.output
+    assert all(line.startswith("#") for line in printed.output.splitlines()[:5])
+    (params_dir / "profiles" / "ppo_tldr.yaml").write_text(printed.output)
+    assert load_params(params_dir, "ppo_tldr").train.total_episodes == 1_000_000
+    again = CliRunner().invoke(app, ["from-trl", str(RECIPES / "ppo_tldr.yaml"), "--out", "profiles/ppo_tldr.yaml"])
+    assert again.exit_code == 2 and "--force" in again.output, "an existing profile is not overwritten silently"
+
+
 def test_a_recipe_sized_in_epochs_needs_the_train_rows(params_dir):
     from typer.testing import CliRunner
 
