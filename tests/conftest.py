@@ -101,6 +101,9 @@ def workspace(mlflow_root, monkeypatch):
     import shutil
     from pathlib import Path
 
-    shutil.copy(Path(__file__).resolve().parent.parent / "params.yaml", mlflow_root / "params.yaml")
+    repo = Path(__file__).resolve().parent.parent
+    shutil.copy(repo / "params.yaml", mlflow_root / "params.yaml")
+    # the accelerate configs, as in a checkout: a run's overrides name them inside the workspace (base.trust)
+    shutil.copytree(repo / "infra" / "accelerate", mlflow_root / "infra" / "accelerate")
     monkeypatch.chdir(mlflow_root)
     return mlflow_root

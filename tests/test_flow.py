@@ -178,11 +178,18 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
         wait_for_deployment("rlhf-pipeline/manual", serve, log)
         nightly = wait_for_deployment("rlhf-pipeline/nightly", serve, log)
         assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+        # whoever may trigger a run gets no more than the committed pipeline (base.trust): refused before any stage
+        refused = run_deployment("rlhf-pipeline/manual", timeout=600, poll_interval=2, parameters={"overrides": [
+            'train.reward_funcs=[{"function": "os:system"}]', "runtime.accelerate_config=/etc/passwd"]})
         run = run_deployment("rlhf-pipeline/manual", parameters={"overrides": ["train.kl_coef=0.07"]},
                              timeout=1200, poll_interval=3)
     finally:
         serve.terminate()
         serve.wait(timeout=60)
+    assert refused.state.is_failed(), refused.state
+    assert "train.reward_funcs[0].function: module 'os' is not in base.trust.reward_modules" in refused.state.message
+    with get_client(sync_client=True) as client:
+        assert not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[refused.id])))
     assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-4000:]}"
 
     with get_client(sync_client=True) as client:
@@ -483,10 +490,10 @@ def test_missing_source_files_and_ignored_overrides_fail_before_anything_runs(fa
     monkeypatch.setenv("RLHF_TRACKING", "off")
     before = (failing_repo / "params.yaml").read_text()
     missing = rlhf_pipeline(overrides=["prepare.source=files", "prepare.sft=data/mine.jsonl",
-                                       "prepare.preferences=/nowhere/prefs.parquet"], return_state=True)
+                                       "prepare.preferences=nowhere/prefs.parquet"], return_state=True)
     assert missing.is_failed(), missing
     assert "prepare.sft: data/mine.jsonl: no such file or directory" in missing.message
-    assert "prepare.preferences: /nowhere/prefs.parquet: no such file" in missing.message
+    assert "prepare.preferences: nowhere/prefs.parquet: no such file" in missing.message
     ignored = rlhf_pipeline(overrides=["prepare.sft=trl-lib/tldr"], return_state=True)
     assert ignored.is_failed() and "prepare.sft: read only when prepare.source is not 'world'" in ignored.message
     ignored_world = rlhf_pipeline(overrides=["prepare.source=hub", "prepare.sft=a/b", "prepare.preferences=c/d",

@@ -163,7 +163,7 @@ def test_sft_and_reward_model_stages_on_two_processes(workspace, engine):
         invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(LAUNCHED_ENV, None)
-    launch = ["runtime.num_processes=2", *([f"runtime.accelerate_config={REPO / 'infra' / 'accelerate' / engine}"]
+    launch = ["runtime.num_processes=2", *([f"runtime.accelerate_config=infra/accelerate/{engine}"]
                                            if engine else [])]
     args = [x for item in [*TINY, *launch] for x in ("--set", item)]
     for stage, model, metrics_file in (("sft", "sft", "sft"), ("reward-model", "reward", "reward")):

@@ -170,7 +170,7 @@ def test_lora_train_stage_on_two_processes_under_ddp_and_zero3(tmp_path, make_po
     """The real stage through the launcher: torchrun (gloo DDP) and accelerate + DeepSpeed ZeRO-3, 2 ranks each.
     The adapter starts from one seeded init on every rank, the reference is the base with the adapter off, and both
     launches end with the same merged policy (episode-keyed sampling: the same completions)."""
-    layouts = {"ddp": [], "zero3": [f"runtime.accelerate_config={REPO / 'infra/accelerate/deepspeed_zero3.yaml'}"]}
+    layouts = {"ddp": [], "zero3": ["runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml"]}
     policies = {}
     for name, extra in layouts.items():
         root = make_workspace(tmp_path / name, make_policy, make_scorer_model, tokenizer)

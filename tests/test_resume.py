@@ -29,6 +29,7 @@ def train_command() -> list[str]:
 def make_workspace(root: Path, make_policy, make_scorer_model, tokenizer) -> Path:
     root.mkdir()
     shutil.copy(Path(__file__).resolve().parent.parent / "params.yaml", root / "params.yaml")
+    shutil.copytree(Path(__file__).resolve().parent.parent / "infra" / "accelerate", root / "infra" / "accelerate")
     for name, model in (("sft", make_policy()), ("reward", make_scorer_model())):
         model.save_pretrained(root / "models" / name)
         tokenizer.save_pretrained(root / "models" / name)

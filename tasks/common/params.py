@@ -47,11 +47,25 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
+class TrustParams(_Section):
+    """What a run's overrides may reach beyond the committed pipeline (docs/security.md). Set in params.yaml or a
+    profile, by whoever commits them; a run's overrides cannot set it (`load_params` refuses `base.trust.*`)."""
+
+    reward_modules: list[str] = Field(default_factory=list)
+    """Module prefixes train.reward_funcs[].function may import from, e.g. ['my_rewards'] allows 'my_rewards:f'
+    and 'my_rewards.text:f', not 'my_rewards_x:f'. Empty: no Python reward function; checked before any import."""
+    roots: list[str] = Field(default_factory=list)
+    """Folders, besides the workspace, that a path in a run's overrides may name (a data source, an accelerate
+    config, a model): e.g. ['/data/corpora']. Relative entries are under the workspace."""
+
+
 class BaseParams(_Section):
     profile: str = "demo"
     """Profile whose `profiles/<name>.yaml` overrides sections of params.yaml ('demo': none)."""
     seed: int = 0
     """Seeds every stage; each stage derives its own seed from it."""
+    trust: TrustParams = TrustParams()
+    """What a run's overrides may reach: reward-function modules and folders outside the workspace."""
     run_overrides: list[str] = Field(default_factory=list)
     """Written by `rlhf run` for one run only: the dotted keys of its `--set` overrides that the profile also sets.
     The stages read params.yaml, then the profile: these keys keep params.yaml's value, so the run's override is
@@ -140,8 +154,10 @@ class RewardSource(_Section):
         if (self.model is None) == (self.function is None):
             raise ValueError("a reward source names exactly one of 'model' (path or hub id) or 'function' "
                              "('package.module:function')")
-        if self.function is not None:
-            import_reward_function(self.function)  # resolves now: a typo fails here, not after the SFT stages
+        if self.function is not None:  # imported by Params, once base.trust.reward_modules allows its module
+            module, sep, attribute = self.function.partition(":")
+            if not sep or not module or not attribute:
+                raise ValueError(f"function {self.function!r}: expected 'package.module:function'")
         return self
 
     @property
@@ -228,6 +244,23 @@ class Params(_Section):
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
+
+    @model_validator(mode="after")
+    def _trusted_reward_functions(self) -> Params:
+        """Each reward function's module must be one base.trust.reward_modules allows, checked before anything is
+        imported; then it is resolved, so a typo fails here, not after the SFT stages."""
+        allowed = self.base.trust.reward_modules
+        for i, source in enumerate(self.train.reward_funcs or []):
+            if source.function is None:
+                continue
+            module = source.function.partition(":")[0]
+            if not any(module == prefix or module.startswith(f"{prefix}.") for prefix in allowed):
+                raise ValueError(
+                    f"train.reward_funcs[{i}].function: module {module!r} is not in base.trust.reward_modules "
+                    f"({allowed or 'empty'}); not imported. To allow it, add its package to base.trust.reward_modules "
+                    f"in params.yaml (a run's overrides cannot)")
+            import_reward_function(source.function)
+        return self
 
     def rl_config(self) -> RLConfig:
         """The trainer's config: the train section without the pipeline-only fields, seeded by base.seed."""
@@ -338,7 +371,12 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
     override = {}
     for item in overrides:  # one layer: both names of a setting in it stay, and validation refuses them
         override = _merge(override, parse_override(item))
+    if "trust" in override.get("base", {}):
+        raise ParamsError(f"base.trust: a run's overrides cannot set it (it says what they may reach); edit "
+                          f"{path}'s base.trust instead")
     profile = profile or override.get("base", {}).get("profile") or raw.get("base", {}).get("profile", "demo")
+    if not isinstance(profile, str) or Path(profile).name != profile or profile.startswith("."):
+        raise ParamsError(f"profile {profile!r}: expected the name of a file in {root / PROFILES_DIR}, not a path")
     if profile != "demo":
         profile_path = root / PROFILES_DIR / f"{profile}.yaml"
         if not profile_path.is_file():
@@ -353,9 +391,41 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
         if isinstance(raw.get(section), dict) and "seed" in raw[section]:
             raise ParamsError(f"{path}: {section}.seed is not a parameter; every stage is seeded by base.seed")
     try:
-        return Params.model_validate(raw)
+        params = Params.model_validate(raw)
     except ValidationError as err:
         raise ParamsError(_explain(err, path)) from err
+    _check_override_paths(root, params.base.trust.roots, override)
+    return params
+
+
+def _check_override_paths(root: Path, roots: list[str], override: dict) -> None:
+    """Every path an override names (absolute, `~`, or climbing out with `..`) must lie under the workspace or a
+    base.trust.roots folder: a run's overrides read no file the committed pipeline does not."""
+    workspace = root.resolve()
+    allowed = [workspace, *((workspace / Path(r).expanduser()).resolve() for r in roots)]
+    errors = []
+    for key, value in _leaves(override):
+        if not isinstance(value, str) or not _names_a_path_outside(value):
+            continue
+        target = (workspace / Path(value).expanduser()).resolve()
+        if not any(target.is_relative_to(folder) for folder in allowed):
+            errors.append(f"{key}: {value} is outside the workspace ({workspace}) and base.trust.roots "
+                          f"({roots or 'empty'}); a run's overrides may name files there only")
+    if errors:
+        raise ParamsError("invalid overrides:\n  " + "\n  ".join(errors))
+
+
+def _names_a_path_outside(value: str) -> bool:
+    return value.startswith(("/", "~")) or ".." in Path(value).parts
+
+
+def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf, list items as key[i]: train.reward_funcs[0].model."""
+    if isinstance(data, dict):
+        return [leaf for k, v in data.items() for leaf in _leaves(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(data, list):
+        return [leaf for i, v in enumerate(data) for leaf in _leaves(v, f"{prefix}[{i}]")]
+    return [(prefix, data)]
 
 
 def _allowed_keys(loc: tuple) -> list[str]:
@@ -379,7 +449,8 @@ def _explain(err: ValidationError, path: Path) -> str:
             hint = f" (did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])!r}?)" if close else ""
             lines.append(f"  {key}: unknown key{hint}; allowed: {', '.join(allowed)}")
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a whole section's check
-            lines.append(f"  {key}: {e['msg'].removeprefix('Value error, ')}")
+            message = e["msg"].removeprefix("Value error, ")
+            lines.append(f"  {key}: {message}" if key else f"  {message}")  # the whole params: it names its key
         else:
             lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
