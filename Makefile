@@ -24,7 +24,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test test-gpu test-server bench lint dvc-deps clean
+.PHONY: setup run test test-gpu test-server test-ui bench lint dvc-deps clean
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ run: setup
 	$(BIN)/rlhf run $(RUN_ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -m "not gpu and not server" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not server and not ui" $(PYTEST_ARGS)
 
 # On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
 test-gpu: setup
@@ -56,6 +56,15 @@ test-server: setup
 	  { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -q postgresql || \
 	    { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q postgresql; }; }
 	$(BIN)/python -m pytest -s $(PYTEST_ARGS) tests/test_infra.py tests/test_server.py
+
+# The Prefect and MLflow UIs and DVC's plots page in headless Chromium (tests/test_ui.py, marker `ui`): the ui extra
+# (selenium), Debian's chromium and chromium-driver if missing; screenshots of each page in reports/ui/.
+test-ui: setup
+	test -x $(BIN)/uv && $(UV) -e ".[ui]" || $(PIP) -e ".[ui]"
+	{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
+	  { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -q chromium chromium-driver || \
+	    { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; }; }
+	$(BIN)/python -m pytest -m ui -s $(PYTEST_ARGS) tests/test_ui.py
 
 bench: setup
 	$(BIN)/rlhf bench --algo ppo --json

@@ -68,14 +68,16 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def prefect_server(home: Path, *options: str, **settings: str) -> Iterator[str]:
-    """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the API URL."""
+def prefect_server(home: Path, *options: str, ui: bool = False, **settings: str) -> Iterator[str]:
+    """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the API URL. With `ui`,
+    the UI too, told where its API is: `--port` alone leaves it calling the default port (4200)."""
     url = f"http://127.0.0.1:{free_port()}/api"
     port = url.rsplit(":", 1)[1].split("/")[0]
     log = (home / "server.log").open("w")
+    settings = {"PREFECT_UI_API_URL": url, **settings} if ui else settings
     server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", port,
-                               "--no-ui", *options], env=base_env(PREFECT_HOME=str(home), **settings),
-                              stdout=log, stderr=subprocess.STDOUT)
+                               *([] if ui else ["--no-ui"]), *options],
+                              env=base_env(PREFECT_HOME=str(home), **settings), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STARTUP_S
     try:
         while True:
