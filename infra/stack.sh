@@ -273,9 +273,10 @@ start_prefect() {
   else
     require_free_port "$PREFECT_PORT" RLHF_PREFECT_PORT
     mkdir -p "$STATE/prefect-home"
+    # the UI's API address too: with --port alone the UI served here calls http://127.0.0.1:4200/api
     start_bg prefect env PREFECT_HOME="$STATE/prefect-home" \
       PREFECT_API_DATABASE_CONNECTION_URL="$(pg_url postgresql+asyncpg prefect prefect)" \
-      PREFECT_SERVER_API_AUTH_STRING="$RLHF_PREFECT_AUTH" \
+      PREFECT_SERVER_API_AUTH_STRING="$RLHF_PREFECT_AUTH" PREFECT_UI_API_URL="http://$HOST:$PREFECT_PORT/api" \
       "$BIN/prefect" server start --host "$HOST" --port "$PREFECT_PORT"
   fi
   wait_http prefect "http://$HOST:$PREFECT_PORT/api/health" "$RLHF_PREFECT_AUTH"

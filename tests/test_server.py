@@ -188,6 +188,15 @@ def _kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
+def test_the_prefect_ui_of_the_stack_calls_its_api(stack):
+    """The UI at the address `stack.sh up` prints asks its own server for data: `prefect server start --port`
+    alone leaves the UI calling Prefect's default, http://127.0.0.1:4200/api ("Can't connect to Server API")."""
+    api = stack["client"]["PREFECT_API_URL"]
+    ui = api.removesuffix("/api")
+    assert f"prefect on {ui} " in stack["up"], stack["up"]
+    assert httpx.get(f"{ui}/ui-settings", timeout=30).json()["api_url"] == api
+
+
 def test_pipeline_on_the_server_stack(stack, repo, monkeypatch):
     env, client_env, state = stack["env"], stack["client"], stack["state"]
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # for the MLflow client of this test
