@@ -416,7 +416,9 @@ class RLTrainer:
         return last or (every > 0 and self.state.update % every == 0)
 
     def save_checkpoint(self) -> Path:
-        """Atomically save everything needed to resume: written to a temp dir, then renamed."""
+        """Atomically save everything needed to resume: written to a temp dir, then renamed. A save that fails (a
+        full disk) leaves the previous checkpoint as it was, removes its own partial copy, and raises
+        CheckpointNotSaved naming both."""
         assert self.checkpoint_dir is not None, "RLTrainer(checkpoint_dir=...) is not set"
         final = self.checkpoint_dir / f"update-{self.state.update:06d}"
         tmp = final.with_name(final.name + ".tmp")
@@ -425,6 +427,28 @@ class RLTrainer:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
             tmp.mkdir(parents=True)  # before any rank writes its shard into it (DeepSpeed saves on every rank)
         acc.wait_for_everyone()
+        try:
+            self._write_checkpoint(tmp)
+        except Exception as err:  # a full disk is an OSError from Python's writes, a RuntimeError from torch.save's
+            free_mib = shutil.disk_usage(self.checkpoint_dir).free / 2**20
+            shutil.rmtree(tmp, ignore_errors=True)  # its space back; a partial save is never resumed from
+            kept = list_checkpoints(self.checkpoint_dir)
+            first_line = (str(err).splitlines() or [""])[0]
+            raise CheckpointNotSaved(f"checkpoint {final.name} not saved in {self.checkpoint_dir} "
+                                     f"({type(err).__name__}: {first_line}; {free_mib:.1f} MiB were free on its disk); "
+                                     f"{f'the previous one, {kept[-1].name}, is kept' if kept else 'none kept yet'}: "
+                                     "free space and run again to resume from it") from err
+        if acc.is_main_process:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.checkpoint_dir)[:-self.cfg.keep_checkpoints]:
+                shutil.rmtree(old)
+        acc.wait_for_everyone()
+        return final
+
+    def _write_checkpoint(self, tmp: Path) -> None:
+        acc = self.accelerator
         acc.save_state(str(tmp), safe_serialization=True)  # model, optimizer, scheduler, RNG states
         acc.wait_for_everyone()  # every rank's shard is written before the main process renames the directory
         if self.cfg.sync_ref_model:  # the reference has moved: resuming from the initial one would differ
@@ -436,13 +460,6 @@ class RLTrainer:
             self.state.sampler = self.sampler.state_dict()
             meta = {"trainer": asdict(self.state), "config": self.cfg.model_dump(mode="json")}
             (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=2))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.checkpoint_dir)[:-self.cfg.keep_checkpoints]:
-                shutil.rmtree(old)
-        acc.wait_for_everyone()
-        return final
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint written by `save_checkpoint`; `train()` then continues at the next update."""
@@ -485,6 +502,10 @@ class RLTrainer:
                 module.save_pretrained(tmp, state_dict=own, safe_serialization=True)
                 if extra is not None:
                     save_tokenizer(extra, tmp)
+
+
+class CheckpointNotSaved(RuntimeError):
+    """A checkpoint could not be written (a full disk): which, where, the space left, and which one is kept."""
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:

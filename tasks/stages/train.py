@@ -20,7 +20,7 @@ from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json, write_jsonl
 from rlhf_core.lora import save_lora_policy, with_lora
 from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_policy
-from rlhf_core.rl_trainer import RLTrainer, TrainingDiverged, list_checkpoints
+from rlhf_core.rl_trainer import CheckpointNotSaved, RLTrainer, TrainingDiverged, list_checkpoints
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import (
     FunctionScorer,
@@ -237,6 +237,8 @@ def run(params: Params, paths: Paths) -> dict:
         try:
             trainer.train()
         except TrainingDiverged as error:  # its message names the update, the figures and the newest checkpoint
+            raise StageFailed(str(error)) from None
+        except CheckpointNotSaved as error:  # a full disk: which checkpoint is kept, and how to resume from it
             raise StageFailed(str(error)) from None
     _save_policy(trainer, runtime, params, paths, tokenizer, main)
     if not main:
