@@ -103,7 +103,7 @@ def workspace(mlflow_root, monkeypatch):
 
     repo = Path(__file__).resolve().parent.parent
     shutil.copy(repo / "params.yaml", mlflow_root / "params.yaml")
-    # the accelerate configs, as in a checkout: a run's overrides name them inside the workspace (base.trust)
+    # the accelerate configs, as in a checkout: a run's overrides name them inside the workspace (trust.roots)
     shutil.copytree(repo / "infra" / "accelerate", mlflow_root / "infra" / "accelerate")
     monkeypatch.chdir(mlflow_root)
     return mlflow_root

@@ -20,11 +20,11 @@ def words(prompts, completions):
     return [float(len(c.split())) for c in completions]
 
 
-TRUSTED = {"trust": {"reward_modules": ["test_reward_sources"]}}  # what a committed params.yaml would allow
+TRUSTED = {"reward_modules": ["test_reward_sources"]}  # what a committed params.yaml would allow
 
 
 def test_reward_sources_are_validated_once_with_clear_errors():
-    ok = Params.model_validate({"base": TRUSTED, "train": {"reward_funcs": [{"model": "models/reward"},
+    ok = Params.model_validate({"trust": TRUSTED, "train": {"reward_funcs": [{"model": "models/reward"},
                                                                             {"function": "test_reward_sources:words"}],
                                                            "reward_weights": [1.0, 0.1]}})
     assert [s.label for s in ok.train.reward_funcs] == ["reward", "words"]
@@ -36,7 +36,7 @@ def test_reward_sources_are_validated_once_with_clear_errors():
            ({"reward_funcs": [{"model": "a/rm"}, {"model": "b/rm"}]}, "names must be distinct")]
     for train, message in bad:
         with pytest.raises(ValidationError, match=message):
-            Params.model_validate({"base": TRUSTED, "train": train})
+            Params.model_validate({"trust": TRUSTED, "train": train})
 
 
 def test_the_stage_builds_one_weighted_scorer_from_the_sources(tmp_path, tokenizer, tiny_config):
@@ -45,7 +45,7 @@ def test_the_stage_builds_one_weighted_scorer_from_the_sources(tmp_path, tokeniz
     default = Params.model_validate({})
     assert isinstance(build_scorer(default, paths, runtime, tokenizer), RewardModelScorer)
     assert reward_models(default, paths) == [str(paths.reward_model)]
-    params = Params.model_validate({"base": TRUSTED, "train": {
+    params = Params.model_validate({"trust": TRUSTED, "train": {
         "reward_funcs": [{"model": str(paths.reward_model), "name": "rm"}, {"function": "test_reward_sources:words"}],
         "reward_weights": [1.0, 0.5]}})
     scorer = build_scorer(params, paths, runtime, tokenizer)

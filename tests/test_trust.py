@@ -1,6 +1,6 @@
 """A run's overrides grant no more than the committed pipeline (docs/security.md): reward functions only from the
-modules params.yaml's base.trust.reward_modules allows, checked before anything is imported; paths only under the
-workspace or base.trust.roots; base.trust itself out of the overrides' reach; profiles by name only. Whoever may
+modules params.yaml's trust.reward_modules allows, checked before anything is imported; paths only under the
+workspace or trust.roots; trust itself out of the overrides' reach; profiles by name only. Whoever may
 trigger a run (the Prefect UI or API, `rlhf run --set`) is refused before any stage, with one message naming the key."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def trusting(tmp_path):
     outside = tmp_path / "corpora"
     outside.mkdir()
     (tmp_path / "ws").mkdir()
-    params = {"base": {"trust": {"reward_modules": ["test_reward_sources"], "roots": [str(outside)]}}}
+    params = {"trust": {"reward_modules": ["test_reward_sources"], "roots": [str(outside)]}}
     (tmp_path / "ws" / "params.yaml").write_text(yaml.safe_dump(params))
     return tmp_path / "ws", outside
 
@@ -36,7 +36,7 @@ def test_a_reward_function_outside_the_trusted_modules_is_refused_before_any_imp
     (tmp_path / "params.yaml").write_text("base: {seed: 0}\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert "REFUSED" in out.stdout and "NOT IMPORTED" in out.stdout, out.stdout + out.stderr
-    assert "train.reward_funcs[0].function: module 'this' is not in base.trust.reward_modules" in out.stdout
+    assert "train.reward_funcs[0].function: module 'this' is not in trust.reward_modules" in out.stdout
     assert "The Zen of Python" not in out.stdout
 
 
@@ -45,15 +45,15 @@ def test_trusted_modules_are_prefixes_of_whole_package_names(trusting):
     ok = load_params(workspace, None, ['train.reward_funcs=[{"function": "test_reward_sources:words"}]'])
     assert ok.train.reward_funcs[0].label == "words"
     for module in ("test_reward_sources_evil", "os", "subprocess"):
-        with pytest.raises(ParamsError, match=f"module {module!r} is not in base.trust.reward_modules"):
+        with pytest.raises(ParamsError, match=f"module {module!r} is not in trust.reward_modules"):
             load_params(workspace, None, [f'train.reward_funcs=[{{"function": "{module}:system"}}]'])
 
 
 def test_overrides_cannot_widen_the_trust(trusting):
     workspace, _ = trusting
-    for override in ('base.trust.reward_modules=["os"]', "base.trust.roots=[/]",
-                     'base.trust={"reward_modules": ["os"]}'):
-        with pytest.raises(ParamsError, match="base.trust: a run's overrides cannot set it"):
+    for override in ('trust.reward_modules=["os"]', "trust.roots=[/]",
+                     'trust={"reward_modules": ["os"]}'):
+        with pytest.raises(ParamsError, match="trust: a run's overrides cannot set it"):
             load_params(workspace, None, [override])
 
 

@@ -49,7 +49,8 @@ class _Section(BaseModel):
 
 class TrustParams(_Section):
     """What a run's overrides may reach beyond the committed pipeline (docs/security.md). Set in params.yaml or a
-    profile, by whoever commits them; a run's overrides cannot set it (`load_params` refuses `base.trust.*`)."""
+    profile, by whoever commits them; a run's overrides cannot set it (`load_params` refuses `trust.*`). No stage
+    depends on it in dvc.yaml: it changes what may run, not what a run computes."""
 
     reward_modules: list[str] = Field(default_factory=list)
     """Module prefixes train.reward_funcs[].function may import from, e.g. ['my_rewards'] allows 'my_rewards:f'
@@ -64,8 +65,6 @@ class BaseParams(_Section):
     """Profile whose `profiles/<name>.yaml` overrides sections of params.yaml ('demo': none)."""
     seed: int = 0
     """Seeds every stage; each stage derives its own seed from it."""
-    trust: TrustParams = TrustParams()
-    """What a run's overrides may reach: reward-function modules and folders outside the workspace."""
     run_overrides: list[str] = Field(default_factory=list)
     """Written by `rlhf run` for one run only: the dotted keys of its `--set` overrides that the profile also sets.
     The stages read params.yaml, then the profile: these keys keep params.yaml's value, so the run's override is
@@ -154,7 +153,7 @@ class RewardSource(_Section):
         if (self.model is None) == (self.function is None):
             raise ValueError("a reward source names exactly one of 'model' (path or hub id) or 'function' "
                              "('package.module:function')")
-        if self.function is not None:  # imported by Params, once base.trust.reward_modules allows its module
+        if self.function is not None:  # imported by Params, once trust.reward_modules allows its module
             module, sep, attribute = self.function.partition(":")
             if not sep or not module or not attribute:
                 raise ValueError(f"function {self.function!r}: expected 'package.module:function'")
@@ -236,6 +235,7 @@ warnings.filterwarnings("ignore", message='Field name "register" in "Params" sha
 
 class Params(_Section):
     base: BaseParams = BaseParams()
+    trust: TrustParams = TrustParams()
     runtime: RuntimeParams = RuntimeParams()
     prepare: PrepareParams = PrepareParams()
     sft: SFTParams = SFTParams()
@@ -247,17 +247,17 @@ class Params(_Section):
 
     @model_validator(mode="after")
     def _trusted_reward_functions(self) -> Params:
-        """Each reward function's module must be one base.trust.reward_modules allows, checked before anything is
+        """Each reward function's module must be one trust.reward_modules allows, checked before anything is
         imported; then it is resolved, so a typo fails here, not after the SFT stages."""
-        allowed = self.base.trust.reward_modules
+        allowed = self.trust.reward_modules
         for i, source in enumerate(self.train.reward_funcs or []):
             if source.function is None:
                 continue
             module = source.function.partition(":")[0]
             if not any(module == prefix or module.startswith(f"{prefix}.") for prefix in allowed):
                 raise ValueError(
-                    f"train.reward_funcs[{i}].function: module {module!r} is not in base.trust.reward_modules "
-                    f"({allowed or 'empty'}); not imported. To allow it, add its package to base.trust.reward_modules "
+                    f"train.reward_funcs[{i}].function: module {module!r} is not in trust.reward_modules "
+                    f"({allowed or 'empty'}); not imported. To allow it, add its package to trust.reward_modules "
                     f"in params.yaml (a run's overrides cannot)")
             import_reward_function(source.function)
         return self
@@ -371,9 +371,9 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
     override = {}
     for item in overrides:  # one layer: both names of a setting in it stay, and validation refuses them
         override = _merge(override, parse_override(item))
-    if "trust" in override.get("base", {}):
-        raise ParamsError(f"base.trust: a run's overrides cannot set it (it says what they may reach); edit "
-                          f"{path}'s base.trust instead")
+    if "trust" in override:
+        raise ParamsError(f"trust: a run's overrides cannot set it (it says what they may reach); edit {path}'s "
+                          f"trust section instead")
     profile = profile or override.get("base", {}).get("profile") or raw.get("base", {}).get("profile", "demo")
     if not isinstance(profile, str) or Path(profile).name != profile or profile.startswith("."):
         raise ParamsError(f"profile {profile!r}: expected the name of a file in {root / PROFILES_DIR}, not a path")
@@ -394,13 +394,13 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
         params = Params.model_validate(raw)
     except ValidationError as err:
         raise ParamsError(_explain(err, path)) from err
-    _check_override_paths(root, params.base.trust.roots, override)
+    _check_override_paths(root, params.trust.roots, override)
     return params
 
 
 def _check_override_paths(root: Path, roots: list[str], override: dict) -> None:
     """Every path an override names (absolute, `~`, or climbing out with `..`) must lie under the workspace or a
-    base.trust.roots folder: a run's overrides read no file the committed pipeline does not."""
+    trust.roots folder: a run's overrides read no file the committed pipeline does not."""
     workspace = root.resolve()
     allowed = [workspace, *((workspace / Path(r).expanduser()).resolve() for r in roots)]
     errors = []
@@ -409,7 +409,7 @@ def _check_override_paths(root: Path, roots: list[str], override: dict) -> None:
             continue
         target = (workspace / Path(value).expanduser()).resolve()
         if not any(target.is_relative_to(folder) for folder in allowed):
-            errors.append(f"{key}: {value} is outside the workspace ({workspace}) and base.trust.roots "
+            errors.append(f"{key}: {value} is outside the workspace ({workspace}) and trust.roots "
                           f"({roots or 'empty'}); a run's overrides may name files there only")
     if errors:
         raise ParamsError("invalid overrides:\n  " + "\n  ".join(errors))
