@@ -64,7 +64,7 @@ test-ui: setup
 	{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || \
 	  { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -q chromium chromium-driver || \
 	    { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium chromium-driver; }; }
-	$(BIN)/python -m pytest -m ui -s $(PYTEST_ARGS) tests/test_ui.py
+	$(BIN)/python -m pytest -m ui $(PYTEST_ARGS) tests/test_ui.py
 
 bench: setup
 	$(BIN)/rlhf bench --algo ppo --json
