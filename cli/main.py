@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -150,10 +151,14 @@ def run(profile: Profile = None, overrides: Overrides = None,
     from tasks.common.mlflow_store import tracking_enabled, tracking_uri
     from tasks.common.progress import print_run_summary
 
+    started = time.time()
     with temporary_server_if_needed(meanwhile=functools.partial(_ready_the_run, root)):
         from flows.pipeline import rlhf_pipeline
 
-        state = rlhf_pipeline(profile=profile, overrides=overrides or [], wait_for_lock_s=wait, return_state=True)
+        try:
+            state = rlhf_pipeline(profile=profile, overrides=overrides or [], wait_for_lock_s=wait, return_state=True)
+        except Exception as err:  # the Prefect server stopped answering: the run record says how the run went
+            _report_without_prefect(root, err, started)
     if state.is_cancelled():
         signal_name = interrupt.received() or "SIGINT"
         typer.echo(f"interrupted: {state.message}; the run is marked cancelled (reports/runs/, MLflow, Prefect). "
@@ -163,6 +168,37 @@ def run(profile: Profile = None, overrides: Overrides = None,
         typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
         raise typer.Exit(1)
     print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
+
+
+def _report_without_prefect(root: Path, err: Exception, started: float) -> NoReturn:
+    """The flow's engine could not reach the Prefect server (it died, or restarts) to report the run's state:
+    the run itself ran on, and its record (reports/runs/) says how it ended. Exit as the run did, saying so."""
+    import os
+
+    from flows.servers import redact
+    from rlhf_core.jsonio import read_json_object
+    from tasks.common.mlflow_store import tracking_enabled, tracking_uri
+    from tasks.common.progress import print_run_summary
+    from tasks.common.transient import transient_cause
+
+    cause = transient_cause(err)
+    if cause is None:
+        raise err
+    records = [p for p in (root / "reports" / "runs").glob("*.json") if p.stat().st_mtime >= started]
+    record = read_json_object(max(records, key=lambda p: p.stat().st_mtime)) if records else None
+    server = redact(os.environ.get("PREFECT_API_URL", "the Prefect server"))
+    where = "the Prefect UI shows the run as it last heard of it (Running) until the server marks it Crashed"
+    if record is None:
+        typer.echo(f"error: {server} stopped answering ({cause}) before the run started its stages", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"warning: {server} stopped answering during the run ({cause}); the run went on without it and "
+               f"ended {record['status']}: {record.get('failure') or 'every stage done'}. Its record: "
+               f"reports/runs/, MLflow run {record.get('mlflow_run_id') or '-'}; {where}.", err=True)
+    if record["status"] != "FINISHED":
+        raise typer.Exit(1)
+    print_run_summary(root, {**record, "record": str(max(records, key=lambda p: p.stat().st_mtime))},
+                      tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
+    raise typer.Exit(0)
 
 
 def _ready_the_run(root: Path) -> None:

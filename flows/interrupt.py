@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from prefect.exceptions import CancelledRun
 
 from flows.dvc_repro import stop_stages
+from tasks.common.transient import transient_cause
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[str] = []  # names of the signals received while handlers are installed
@@ -81,14 +82,32 @@ class CancellationReadsAsCancellation(logging.Filter):
         return True
 
 
+class ServerGoneReadsAsServerGone(logging.Filter):
+    """A Prefect server that died mid-run: the flow engine cannot report the run's final state and logs
+    "Encountered exception during execution" at ERROR with an httpx traceback, though the run itself went on and
+    recorded its outcome (reports/runs/, MLflow). This filter makes it one WARNING saying so, without the
+    traceback; other exceptions are left as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        cause = transient_cause(error) if error is not None else None
+        if cause is not None and record.levelno >= logging.ERROR:
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "the Prefect server stopped answering (%s): the run's state could not be reported; its outcome is "
+                "in its record (reports/runs/) and MLflow", (str(cause),), None, None)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 @contextmanager
 def cancellation_reads_as_cancellation() -> Iterator[None]:
-    """CancellationReadsAsCancellation on Prefect's run loggers while the block runs and after it (the
-    engine logs CancelledRun once the flow function has returned); added once per process."""
+    """CancellationReadsAsCancellation and ServerGoneReadsAsServerGone on Prefect's run loggers while the block
+    runs and after it (the engine logs once the flow function has returned); added once per process."""
     for name in CancellationReadsAsCancellation.LOGGERS:
         logger = logging.getLogger(name)
-        if not any(isinstance(f, CancellationReadsAsCancellation) for f in logger.filters):
-            logger.addFilter(CancellationReadsAsCancellation())
+        for kind in (CancellationReadsAsCancellation, ServerGoneReadsAsServerGone):
+            if not any(isinstance(f, kind) for f in logger.filters):
+                logger.addFilter(kind())
     yield
 
 

@@ -52,6 +52,7 @@ from flows.progress import forwarded_progress
 from tasks.common.dvc_yaml import stage_names
 from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
 from tasks.common.params import ParamsError, load_params
+from tasks.common.transient import transient_cause
 
 LOGS_DIR = "reports/logs"
 UI_ONLY_LOGGER = "prefect.extra"  # Prefect sends its records to the API only (no console handler)
@@ -102,6 +103,18 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
         return Completed(data=outcome, name="Cached", message="unchanged since dvc.lock: DVC skipped it")
     logger.info("stage %s: ran in %.1f s", name, result.seconds)
     return outcome
+
+
+def _to_prefect(what: str, fn, *args, **kwargs) -> None:
+    """An artifact for the Prefect UI: a Prefect server that stopped answering costs the UI this, not the run
+    its results (the stages' work goes on; the run record and MLflow have it all)."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as err:
+        cause = transient_cause(err)
+        if cause is None:
+            raise
+        get_run_logger().warning("the Prefect server did not take %s (%s); the run goes on", what, cause)
 
 
 def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
@@ -161,12 +174,13 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
               "profile": profile, "overrides": overrides, "params_changed": [list(c) for c in changes],
               "params_local_edits": [list(e) for e in edits], "mlflow_run_id": parent, "status": "RUNNING"}
     record_path = write_run_record(root, record)
-    create_markdown_artifact(reports.run_parameters(profile, overrides, changes, record_path.relative_to(root)),
-                             key="rlhf-run-parameters", description="profile, overrides, params.yaml changes")
+    _to_prefect("the run's parameters", create_markdown_artifact,
+                reports.run_parameters(profile, overrides, changes, record_path.relative_to(root)),
+                key="rlhf-run-parameters", description="profile, overrides, params.yaml changes")
     results, failed, status = [], None, "FAILED"  # FAILED unless the stages get through
     try:
         results, failed, reached = _run_stages(root, names, parent)
-        _publish_reports(root, reached, parent)
+        _to_prefect("the stages' reports", _publish_reports, root, reached, parent)
         status = "FINISHED" if failed is None else "KILLED" if failed.is_cancelled() else "FAILED"
         if failed is None and changes:  # before params.yaml is restored: the run's params beside its results
             record["dvc_experiment"] = _save_experiment(root, record)

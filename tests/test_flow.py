@@ -88,10 +88,15 @@ def prefect_server(home: Path, *options: str, ui: bool = False, **settings: str)
                 pass
             assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
             time.sleep(1)
+        SERVERS[url] = server
         yield url
     finally:
+        SERVERS.pop(url, None)
         server.terminate()
         server.wait(timeout=60)
+
+
+SERVERS: dict[str, subprocess.Popen] = {}  # prefect_server's processes by API URL, for a test that kills one
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +185,7 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
         wait_for_deployment("rlhf-pipeline/manual", serve, log)
         nightly = wait_for_deployment("rlhf-pipeline/nightly", serve, log)
         assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
-        # whoever may trigger a run gets no more than the committed pipeline (base.trust): refused before any stage
+        # whoever may trigger a run gets no more than the committed pipeline (trust): refused before any stage
         refused = run_deployment("rlhf-pipeline/manual", timeout=600, poll_interval=2, parameters={"overrides": [
             'train.reward_funcs=[{"function": "os:system"}]', "runtime.accelerate_config=/etc/passwd"]})
         run = run_deployment("rlhf-pipeline/manual", parameters={"overrides": ["train.kl_coef=0.07"]},
@@ -189,7 +194,7 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
         serve.terminate()
         serve.wait(timeout=60)
     assert refused.state.is_failed(), refused.state
-    assert "train.reward_funcs[0].function: module 'os' is not in base.trust.reward_modules" in refused.state.message
+    assert "train.reward_funcs[0].function: module 'os' is not in trust.reward_modules" in refused.state.message
     with get_client(sync_client=True) as client:
         assert not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[refused.id])))
     assert run.state.is_completed(), f"{run.state}\n{log.read_text()[-4000:]}"
@@ -800,3 +805,59 @@ def test_the_temporary_server_starts_beside_the_runs_own_preparation(tmp_path, m
     with pytest.raises(RuntimeError, match="preparation failed"), temporary_server_if_needed(meanwhile=failing):
         pytest.fail("no run without its preparation")
     assert not [p for p in processes_in(tmp_path) if "uvicorn" in p], "server left behind"
+
+
+@pytest.fixture
+def gated_repo(tmp_path, mlflow_db_template):
+    """A pipeline whose middle stage waits for a file `go` (the test's cue), then finishes."""
+    (tmp_path / "gate.py").write_text("import pathlib, time\nprint('gated stage started', flush=True)\n"
+                                      "while not pathlib.Path('go').exists():\n    time.sleep(0.2)\n"
+                                      "pathlib.Path('gated.txt').write_text('done')\n")
+    stages = {"ok": {"cmd": "echo fine > ok.txt", "outs": ["ok.txt"]},
+              "gated": {"cmd": "python gate.py", "deps": ["ok.txt", "gate.py"], "outs": ["gated.txt"]},
+              "after": {"cmd": "cp gated.txt after.txt", "deps": ["gated.txt"], "outs": ["after.txt"]}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (tmp_path / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
+    (tmp_path / ".gitignore").write_text("mlflow.db\nmlartifacts/\n.prefect/\nreports/\ngo\n")
+    shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")
+    return git_dvc_repo(tmp_path)
+
+
+def test_the_prefect_server_dying_mid_run_loses_no_work(gated_repo, tmp_path_factory):
+    """A Prefect server killed while a stage runs: the run goes on without it, every stage completes, the run record
+    and MLflow say FINISHED, params.yaml is restored, the lock released, and `rlhf run` exits 0 saying what
+    happened, without a traceback; the next run, on a server again, finds every stage unchanged."""
+    import psutil
+    from mlflow import MlflowClient
+
+    params_before = (gated_repo / "params.yaml").read_text()
+    with prefect_server(tmp_path_factory.mktemp("dying-prefect")) as api:
+        proc, lines = _run_until_slow_stage(gated_repo, [BIN / "rlhf", "run", "--set", "base.seed=4"],
+                                            base_env(PREFECT_API_URL=api), None)
+        _wait_for(lambda: any("gated stage started" in line for line in lines), proc, lines)
+        server = psutil.Process(SERVERS[api].pid)
+        for each in [*server.children(recursive=True), server]:  # kill -9 of the server and its workers
+            each.kill()
+        (gated_repo / "go").write_text("")  # the stage may finish now
+        proc.wait(timeout=600)
+        proc.reader.join(timeout=60)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-5000:]
+    assert f"{api} stopped answering during the run" in output and "ended FINISHED" in output, output[-5000:]
+    assert "Traceback" not in output, output[-5000:]
+    [record] = [json.loads(p.read_text()) for p in (gated_repo / "reports" / "runs").glob("*.json")]
+    assert record["status"] == "FINISHED" and [s["stage"] for s in record["stages"]] == ["ok", "gated", "after"]
+    assert (gated_repo / "after.txt").read_text() == "done"
+    assert MlflowClient(f"sqlite:///{gated_repo / 'mlflow.db'}").get_run(record["mlflow_run_id"]).info.status == \
+        "FINISHED"
+    assert (gated_repo / "params.yaml").read_text() == params_before
+    with workspace_lock(gated_repo, wait_s=0):  # released
+        pass
+    assert not processes_in(gated_repo), "no process left"
+
+    with prefect_server(tmp_path_factory.mktemp("back-prefect")) as api:  # the server is back (here, a new one)
+        again = subprocess.run([BIN / "rlhf", "run", "--set", "base.seed=4"], cwd=gated_repo, timeout=600,
+                               env=base_env(PREFECT_API_URL=api), capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    second = json.loads(max((gated_repo / "reports" / "runs").glob("*.json")).read_text())
+    assert second["status"] == "FINISHED" and not any(s["ran"] for s in second["stages"])
