@@ -48,7 +48,7 @@ test: setup
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu -s $(PYTEST_ARGS)
 
-# The server stack live on loopback (README: "Scaling out"): the server extra, PostgreSQL from Debian packages if
+# The server stack live on loopback (docs/scaling-out.md): the server extra, PostgreSQL from Debian packages if
 # missing, then infra/stack.sh up ... down inside tests/test_server.py (and the infra/ checks with their extras).
 test-server: setup
 	test -x $(BIN)/uv && $(UV) -e ".[server]" || $(PIP) -e ".[server]"
