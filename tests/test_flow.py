@@ -832,8 +832,9 @@ def test_the_prefect_server_dying_mid_run_loses_no_work(gated_repo, tmp_path_fac
 
     params_before = (gated_repo / "params.yaml").read_text()
     with prefect_server(tmp_path_factory.mktemp("dying-prefect")) as api:
+        # Prefect's client retries a dead server 5 times with backoff (minutes here); once is the same story
         proc, lines = _run_until_slow_stage(gated_repo, [BIN / "rlhf", "run", "--set", "base.seed=4"],
-                                            base_env(PREFECT_API_URL=api), None)
+                                            base_env(PREFECT_API_URL=api, PREFECT_CLIENT_MAX_RETRIES="1"), None)
         _wait_for(lambda: any("gated stage started" in line for line in lines), proc, lines)
         server = psutil.Process(SERVERS[api].pid)
         for each in [*server.children(recursive=True), server]:  # kill -9 of the server and its workers
