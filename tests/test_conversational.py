@@ -166,15 +166,21 @@ def test_good_conversations_pass(templated_workspace, kind):
     assert "conversations render with the tokenizer's chat template" in checks
 
 
-@pytest.mark.parametrize("name", BROKEN_CONVERSATIONS)
-def test_broken_conversations_fail_naming_the_rows(templated_workspace, name):
-    kind, rows, description, bad_rows = BROKEN_CONVERSATIONS[name]
-    result = validate(write_jsonl(templated_workspace / "data.jsonl", rows), kind)
+def failed_checks_naming(workspace, kind: str, rows: list[dict], description: str, bad_rows: list[int]) -> list:
+    """`rlhf validate` of `rows` fails, with a failed check starting with `description` that names `bad_rows`;
+    returns every failed check."""
+    result = validate(write_jsonl(workspace / "data.jsonl", rows), kind)
     assert result.exit_code == 1, result.output
     failed = [c for c in json.loads(result.output)["datasets"][0]["checks"] if not c["success"]]
     matching = [c for c in failed if c["description"].startswith(description)]
     assert matching, [c["description"] for c in failed]
     assert matching[0]["rows"] == bad_rows
+    return failed
+
+
+@pytest.mark.parametrize("name", BROKEN_CONVERSATIONS)
+def test_broken_conversations_fail_naming_the_rows(templated_workspace, name):
+    failed_checks_naming(templated_workspace, *BROKEN_CONVERSATIONS[name])
 
 
 def test_prompt_token_budget_counts_the_templated_text(templated_workspace):
@@ -330,11 +336,5 @@ BROKEN_LAYOUTS = {  # name: (kind, rows, the failed check's description, its row
 
 @pytest.mark.parametrize("name", BROKEN_LAYOUTS)
 def test_a_broken_layout_fails_naming_its_own_column_and_rows(templated_workspace, name):
-    kind, rows, description, bad_rows = BROKEN_LAYOUTS[name]
-    result = validate(write_jsonl(templated_workspace / "data.jsonl", rows), kind)
-    assert result.exit_code == 1, result.output
-    failed = [c for c in json.loads(result.output)["datasets"][0]["checks"] if not c["success"]]
-    matching = [c for c in failed if c["description"].startswith(description)]
-    assert matching, [c["description"] for c in failed]
-    assert matching[0]["rows"] == bad_rows
+    failed = failed_checks_naming(templated_workspace, *BROKEN_LAYOUTS[name])
     assert len(failed) == 1, f"one problem, one failed check: {[c['description'] for c in failed]}"
