@@ -16,6 +16,7 @@ from cli.exps import exps
 from cli.from_trl import from_trl
 from cli.models import app as models_app
 from cli.params import app as params_app
+from cli.sweep import sweep
 
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -350,6 +351,7 @@ app.add_typer(models_app, name="models")  # rlhf models list | compare | promote
 app.add_typer(params_app, name="params")  # rlhf params diff | reset (params.yaml against the committed one)
 app.command("exps")(exps)  # rlhf exps: the DVC experiments (every override run is one), readable
 app.command("from-trl")(from_trl)  # rlhf from-trl CONFIG.yaml: a TRL PPO / RLOO recipe as a profile
+app.command()(sweep)  # rlhf sweep --grid train.kl_coef=...: the pipeline over a grid and its reward–KL frontier
 
 
 def main() -> None:

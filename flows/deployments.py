@@ -1,4 +1,4 @@
-"""`rlhf serve`: the deployments prefect.yaml lists (a manual one and a nightly cron), served from this
+"""`rlhf serve`: the deployments prefect.yaml lists (the pipeline on demand and nightly, the sweep), served from this
 process against the Prefect server at PREFECT_API_URL. One file describes them for both `rlhf serve` and
 `prefect deploy`."""
 
@@ -19,12 +19,18 @@ def deployment_specs(root: str | Path) -> list[dict]:
     return specs
 
 
+def flow_of(entrypoint: str):
+    """The flow an entrypoint names, e.g. flows/sweep.py:rlhf_sweep."""
+    import importlib
+
+    path, _, name = entrypoint.partition(":")
+    return getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+
+
 def runner_deployments(root: str | Path) -> list:
     from prefect.schedules import Cron
 
-    from flows.pipeline import rlhf_pipeline
-
-    return [rlhf_pipeline.to_deployment(
+    return [flow_of(spec["entrypoint"]).to_deployment(
         name=spec["name"], description=spec.get("description"), tags=spec.get("tags"),
         parameters=spec.get("parameters") or {}, concurrency_limit=spec.get("concurrency_limit"),
         schedules=[Cron(s["cron"], timezone=s.get("timezone"), active=s.get("active", True))

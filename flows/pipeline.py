@@ -149,7 +149,8 @@ def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[
     return results, None, reached
 
 
-def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
+def _run_locked(root: Path, profile: str, overrides: list[str], mlflow_parent: str = "",
+                experiment: str = "") -> dict | State:
     logger = get_run_logger()
     names = stage_names(root)  # dvc.yaml's order; FileNotFoundError outside the repo root
     restored = restore_after_killed_run(root)
@@ -164,12 +165,14 @@ def _run_locked(root: Path, profile: str, overrides: list[str]) -> dict | State:
     with overrides_applied(root, profile, overrides) as changes:  # ParamsError before anything is written
         if changes:
             logger.info("params.yaml for this run only (restored after it): %s", describe(changes))
-        return _run_with_params(root, names, profile, overrides, changes, edits)
+        return _run_with_params(root, names, profile, overrides, changes, edits, mlflow_parent, experiment)
 
 
 def _run_with_params(root: Path, names: list[str], profile: str, overrides: list[str], changes: list,
-                     edits: list) -> dict | State:
-    parent = start_pipeline_run(root, profile, overrides, name=flow_run.get_name())  # '' when tracking is off
+                     edits: list, mlflow_parent: str = "", experiment: str = "") -> dict | State:
+    # '' when tracking is off
+    parent = start_pipeline_run(root, profile, overrides, name=flow_run.get_name(), parent=mlflow_parent,
+                                experiment=experiment)
     record = {"flow_run_id": flow_run.get_id() or "local", "flow_run_name": flow_run.get_name(),
               "profile": profile, "overrides": overrides, "params_changed": [list(c) for c in changes],
               "params_local_edits": [list(e) for e in edits], "mlflow_run_id": parent, "status": "RUNNING"}
@@ -182,8 +185,10 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
         results, failed, reached = _run_stages(root, names, parent)
         _to_prefect("the stages' reports", _publish_reports, root, reached, parent)
         status = "FINISHED" if failed is None else "KILLED" if failed.is_cancelled() else "FAILED"
-        if failed is None and changes:  # before params.yaml is restored: the run's params beside its results
-            record["dvc_experiment"] = _save_experiment(root, record)
+        # before params.yaml is restored: the run's params beside its results (a sweep's point always: its
+        # grid may equal params.yaml)
+        if failed is None and (changes or experiment):
+            record["dvc_experiment"] = _save_experiment(root, record, experiment)
     finally:
         end_pipeline_run(parent, status, root)
         record.update(status=status, stages=results, failure=failed.message if failed is not None else None)
@@ -193,11 +198,12 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
     return {**record, "record": str(record_path)}
 
 
-def _save_experiment(root: Path, record: dict) -> str | None:
-    """This override run as its own DVC experiment (`dvc exp show`, `rlhf exps`); None with a warning when
-    DVC refuses, which fails nothing: the results are in the workspace, MLflow and the run record."""
+def _save_experiment(root: Path, record: dict, name: str = "") -> str | None:
+    """This override run as its own DVC experiment (`dvc exp show`, `rlhf exps`), named `name` or after the
+    run; None with a warning when DVC refuses, which fails nothing: the results are in the workspace, MLflow
+    and the run record."""
     logger = get_run_logger()
-    name = experiment_name(record["flow_run_name"] or "run", record["started"])
+    name = name or experiment_name(record["flow_run_name"] or "run", record["started"])
     try:
         save_experiment(root, name)
     except ExperimentNotSaved as err:
@@ -221,13 +227,16 @@ def _flow_run_name() -> str:
 
 @flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, log_prints=False)
 def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B006 (Prefect validates a copy)
-                  wait_for_lock_s: float = 600.0) -> dict | State:
+                  wait_for_lock_s: float = 600.0, mlflow_parent: str = "", experiment: str = "") -> dict | State:
     """The RLHF pipeline: every stage of dvc.yaml, in order, through DVC.
 
     Args:
         profile: `demo` (built-in world, tiny models, CPU) or a profiles/NAME.yaml.
         overrides: `section.key=value` items, e.g. `train.kl_coef=0.1`; in params.yaml for this run only.
         wait_for_lock_s: how long to wait while another run holds this workspace, then fail.
+        mlflow_parent: an MLflow run to nest this run's under (set by rlhf-sweep: its sweep run).
+        experiment: the DVC experiment name to save an override run as (set by rlhf-sweep); default: the
+            run's name.
     """
     root = Path.cwd()
     run = f"flow run {flow_run.get_name() or ''} ({flow_run.get_id() or 'local'})"
@@ -235,7 +244,7 @@ def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B00
     try:
         with interrupt.cancellation_reads_as_cancellation(), interrupt.stop_on_signals(), \
                 workspace_lock(root, wait_for_lock_s, run=run, on_wait=logger.info, stop=interrupt.received):
-            state = _run_locked(root, profile, list(overrides))
+            state = _run_locked(root, profile, list(overrides), mlflow_parent, experiment)
     except LockWaitStopped as err:
         logger.warning("%s", err)
         return Cancelled(message=str(err))

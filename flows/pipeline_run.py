@@ -39,8 +39,11 @@ log = logging.getLogger(__name__)
 _STATUS = {"COMPLETED": "FINISHED", "SUCCESS": "FINISHED", "CANCELLED": "KILLED", "CRASHED": "FAILED"}
 
 
-def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[str], name: str | None = None) -> str:
+def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[str], name: str | None = None,
+                       parent: str = "", experiment: str = "") -> str:
     """Open the parent run of one pipeline run and return its id ('' when tracking is off).
+
+    `parent`: a run to nest it under (a sweep's); `experiment`: the DVC experiment it is saved as (a tag).
 
     `name`: the Prefect flow run's (run_name's when None; made unique in the experiment). Params: the
     resolved parameters flattened (`train.kl_coef`, ...) and `overrides` verbatim. Tags: lineage (git commit,
@@ -59,6 +62,10 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
     client = get_client(root)
     tags = {**lineage_tags(root, params.base.profile), "rlhf.kind": "pipeline", "rlhf.root": str(root),
             OVERRIDES_TAG: json.dumps(list(overrides)), PARAMS_HASH_TAG: params_hash(params), **owner_tags()}
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    if experiment:
+        tags[EXPERIMENT_TAG] = experiment
     exp = experiment_id(client, root)
     name = unique_run_name(client, exp, name or run_name(params, overrides))
     run = client.create_run(exp, run_name=name, tags=tags)
@@ -69,6 +76,7 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
 
 
 PARAMS_HASH_TAG = "rlhf.params_hash"
+EXPERIMENT_TAG = "rlhf.experiment"  # the DVC experiment a sweep's point is saved as
 
 
 def run_name(params: Params, overrides: list[str] | tuple[str, ...] = ()) -> str:

@@ -367,14 +367,15 @@ def custom_run(world) -> str:
     return run_id
 
 
-def test_deployments_page_lists_manual_and_nightly_with_its_schedule(world, prefect_browser):
+def test_deployments_page_lists_manual_nightly_and_the_sweep_with_its_schedule(world, prefect_browser):
     browser = prefect_browser
     with screenshot(browser, "prefect-deployments"):
         open_deployments(browser, world)
         rows = {r.find_element(By.XPATH, ".//td[2]").text.splitlines()[0]: r.text
                 for r in browser.find_elements(By.XPATH, "//tbody/tr")}
-        assert set(rows) == {"manual", "nightly"}, rows
+        assert set(rows) == {"manual", "nightly", "frontier"}, rows
         assert "rlhf-pipeline" in rows["manual"] and "rlhf-pipeline" in rows["nightly"], rows
+        assert "rlhf-sweep" in rows["frontier"], rows["frontier"]
         # prefect.yaml's cron "0 2 * * *" in words, active; the manual deployment has no schedule
         assert "At 02:00 AM" in rows["nightly"] and "Active" in rows["nightly"], rows["nightly"]
         assert "At " not in rows["manual"], rows["manual"]

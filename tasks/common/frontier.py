@@ -1,0 +1,176 @@
+"""The reward–KL frontier of a sweep: where each point sits, the Gao et al. fit, the point the gate would promote.
+
+Gao, Schulman and Hilton (2022, "Scaling laws for reward model overoptimization") fit the gold reward gained
+over the initial policy as R(d) = d (alpha - beta ln d), with d = sqrt(KL(policy || initial)). With beta > 0 the
+curve peaks at d* = exp(alpha / beta - 1) (KL* = d*^2) and falls beyond it: past d* the policy games the proxy
+reward. Here KL is the evaluation's mean KL per completion against the SFT reference (metrics/eval.json
+`mean_kl`) and R the gold score gained over that reference (`mean_score_gold - ref_mean_score_gold`).
+
+Pure functions over plain dicts (and the figure): the sweep flow gathers the points, this module does the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+SEED_KEY = "base.seed"  # a grid over seeds gives replicates of a setting, averaged into one candidate
+FIGURES = ("win_rate_gold", "win_rate_rm", "mean_kl", "mean_score_gold", "ref_mean_score_gold", "mean_score_rm",
+           "ref_mean_score_rm")
+
+
+@dataclass(frozen=True)
+class GaoFit:
+    alpha: float
+    beta: float
+    r2: float | None     # of the fit on the points it was fitted to; None when every gain is the same
+    n: int               # points fitted
+    peak_kl: float | None    # KL where the fitted gold peaks; None when it never turns (beta <= 0)
+    peak_gain: float | None  # the fitted gold gain there
+    turns_within_sweep: bool  # the peak lies inside the swept KL range: the over-optimization turn was seen
+
+
+def gold_gain(figures: dict) -> float | None:
+    """Gold score gained over the SFT reference, or None where the world has no gold reward."""
+    if figures.get("mean_score_gold") is None or figures.get("ref_mean_score_gold") is None:
+        return None
+    return figures["mean_score_gold"] - figures["ref_mean_score_gold"]
+
+
+def rm_gain(figures: dict) -> float | None:
+    if figures.get("mean_score_rm") is None or figures.get("ref_mean_score_rm") is None:
+        return None
+    return figures["mean_score_rm"] - figures["ref_mean_score_rm"]
+
+
+def gao_curve(d: np.ndarray | float, alpha: float, beta: float) -> np.ndarray | float:
+    """R(d) = d (alpha - beta ln d); R(0) = 0."""
+    d = np.asarray(d, dtype=float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(d > 0, d * (alpha - beta * np.log(np.where(d > 0, d, 1.0))), 0.0)
+
+
+def fit_gao(kls: Sequence[float], gains: Sequence[float]) -> GaoFit | None:
+    """Least squares of gains = alpha d - beta d ln d over the points with KL > 0; None with fewer than two
+    distinct such points (two parameters need two)."""
+    pairs = [(math.sqrt(k), g) for k, g in zip(kls, gains, strict=True) if k is not None and g is not None
+             and math.isfinite(k) and math.isfinite(g) and k > 0]
+    if len({d for d, _ in pairs}) < 2:
+        return None
+    d = np.array([p[0] for p in pairs])
+    r = np.array([p[1] for p in pairs])
+    design = np.stack([d, -d * np.log(d)], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(design, r, rcond=None)
+    residual = float(np.sum((r - design @ np.array([alpha, beta])) ** 2))
+    total = float(np.sum((r - r.mean()) ** 2))
+    r2 = 1.0 - residual / total if total > 0 else None  # gains all equal: nothing for a fit to explain
+    peak_kl = peak_gain = None
+    turns = False
+    # beta <= 0, or so small that d* = exp(alpha / beta - 1) is beyond any drift (e^40): gold never turns
+    if beta > 0 and alpha / beta - 1.0 < 40:
+        d_star = math.exp(alpha / beta - 1.0)
+        peak_kl, peak_gain = d_star ** 2, float(beta * d_star)  # R(d*) = beta d*
+        turns = bool(d.min() < d_star < d.max())
+    return GaoFit(float(alpha), float(beta), r2, len(pairs), peak_kl, peak_gain, turns)
+
+
+def setting_of(overrides: Sequence[str]) -> str:
+    """A point's setting: its grid overrides but the seed (replicates of one setting share it), each key by its
+    last part, e.g. `kl_coef=0.05,algo=ppo`."""
+    return ",".join(f"{key.rsplit('.', 1)[-1]}={value}" for key, _, value in (item.partition("=") for item in overrides)
+                    if key != SEED_KEY) or "(defaults)"
+
+
+def candidates(points: Sequence[dict]) -> list[dict]:
+    """One candidate per setting: the mean of each figure over its seeds, with each seed's figures kept."""
+    groups: dict[str, list[dict]] = {}
+    for point in points:
+        groups.setdefault(setting_of(point["grid"]), []).append(point)
+    out = []
+    for setting, members in groups.items():
+        mean = {}
+        for key in FIGURES:
+            values = [m["figures"][key] for m in members if m["figures"].get(key) is not None]
+            if len(values) == len(members):
+                mean[key] = float(np.mean(values))
+        out.append({"setting": setting, "algo": members[0]["algo"], "n": len(members), "figures": mean,
+                    "seeds": [{"seed": m.get("seed"), "experiment": m.get("experiment"),
+                               **{k: m["figures"].get(k) for k in ("win_rate_gold", "win_rate_rm", "mean_kl")}}
+                              for m in members]})
+    return out
+
+
+def gate_pick(cands: Sequence[dict], metric: str, max_kl: float, tie_margin: float = 0.0) -> dict | None:
+    """The candidate the registry gate would promote among these (tasks/stages/register.py decide): the highest
+    `metric` within the KL budget, where values within `tie_margin` of the best tie and the lowest KL among
+    them wins; None when none is within the budget or has the metric."""
+    eligible = [c for c in cands if c["figures"].get(metric) is not None and c["figures"].get("mean_kl") is not None
+                and math.isfinite(c["figures"][metric]) and c["figures"]["mean_kl"] <= max_kl]
+    if not eligible:
+        return None
+    best = max(c["figures"][metric] for c in eligible)
+    return min((c for c in eligible if c["figures"][metric] >= best - tie_margin),
+               key=lambda c: (c["figures"]["mean_kl"], -c["figures"][metric]))
+
+
+def frontier(points: Sequence[dict], metric: str, max_kl: float, tie_margin: float = 0.0) -> dict:
+    """The frontier report: every point, the candidates (settings averaged over seeds), the Gao fit of the gold
+    gain per algorithm (where a gold reward exists), and the gate's pick.
+
+    `points`: dicts with `grid` (the point's overrides), `algo`, `seed`, `experiment` and `figures` (its
+    metrics/eval.json). `metric`: the gate's primary metric (win_rate_gold, else win_rate_rm)."""
+    rows = [{**p, "sqrt_kl": math.sqrt(max(p["figures"]["mean_kl"], 0.0)), "gold_gain": gold_gain(p["figures"]),
+             "rm_gain": rm_gain(p["figures"])} for p in points]
+    fits = {}
+    for algo in sorted({p["algo"] for p in rows}):
+        mine = [p for p in rows if p["algo"] == algo and p["gold_gain"] is not None]
+        fit = fit_gao([p["figures"]["mean_kl"] for p in mine], [p["gold_gain"] for p in mine])
+        if fit is not None:
+            fits[algo] = asdict(fit)
+    cands = candidates(points)
+    pick = gate_pick(cands, metric, max_kl, tie_margin)
+    return {"metric": metric, "max_kl": max_kl, "tie_margin": tie_margin, "points": rows, "candidates": cands,
+            "gao_fit": fits, "gate_pick": pick["setting"] if pick else None,
+            "gate_pick_figures": pick["figures"] if pick else None}
+
+
+def plot_frontier(report: dict, target: Path) -> None:
+    """The frontier as a PNG: gold and reward-model score gained over the SFT reference against sqrt(KL), per
+    algorithm, with the Gao et al. fit of the gold curve and the gate's pick."""
+    from tasks.common.plots import _save, plt
+
+    has_gold = any(p["gold_gain"] is not None for p in report["points"])
+    fig, axes = plt.subplots(1, 2 if has_gold else 1, figsize=(11 if has_gold else 5.5, 4), squeeze=False)
+    panels = ([("gold_gain", "gold score gained over SFT")] if has_gold else []) + \
+        [("rm_gain", "reward-model score gained over SFT")]
+    algos = sorted({p["algo"] for p in report["points"]})
+    colours = dict(zip(algos, plt.rcParams["axes.prop_cycle"].by_key()["color"][:len(algos)], strict=True))
+    reach = max(p["sqrt_kl"] for p in report["points"]) * 1.15
+    for ax, (key, title) in zip(axes[0], panels, strict=True):
+        for algo, colour in colours.items():
+            mine = [p for p in report["points"] if p["algo"] == algo and p[key] is not None]
+            ax.scatter([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, label=algo, zorder=3)
+            picked = [p for p in mine if setting_of(p["grid"]) == report["gate_pick"]]
+            ax.scatter([p["sqrt_kl"] for p in picked], [p[key] for p in picked], marker="*", s=260,
+                       facecolor="none", edgecolor="black", zorder=4,
+                       label="gate's pick" if algo == next(iter(colours)) or picked else None)
+            fit = report["gao_fit"].get(algo) if key == "gold_gain" else None
+            if fit:
+                d = np.linspace(0, max(reach, math.sqrt(fit["peak_kl"] or 0) * 1.1), 200)
+                ax.plot(d, gao_curve(d, fit["alpha"], fit["beta"]), color=colour, linewidth=1,
+                        label=f"{algo} fit: α={fit['alpha']:.3g}, β={fit['beta']:.3g}"
+                              + (f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""))
+                if fit["peak_kl"]:
+                    ax.axvline(math.sqrt(fit["peak_kl"]), color=colour, linestyle=":", linewidth=1)
+        ax.axhline(0, color="grey", linewidth=0.5)
+        ax.axvline(math.sqrt(report["max_kl"]), color="grey", linestyle="--", linewidth=1,
+                   label=f"KL budget (register.max_kl={report['max_kl']:g})")
+        handles, labels = ax.get_legend_handles_labels()
+        seen = dict(zip(labels, handles, strict=True))  # one entry per label
+        ax.legend(seen.values(), seen.keys(), fontsize=7)
+        ax.set(xlabel="sqrt(KL to the SFT reference)", ylabel=title, title=title.split(" gained")[0] + " vs drift")
+    _save(fig, target)
