@@ -482,6 +482,19 @@ def test_overrides_edit_only_their_own_lines(tmp_path):
     assert data["runtime"]["accelerate_config"] is None and data["train"]["kl_coef"] == 0.07
 
 
+def test_an_override_in_exponent_notation_is_written_as_a_number():
+    """`--set train.learning_rate=1e-4`: PyYAML reads 1e-4 as a string; written as one, DVC's params and
+    `dvc exp show` would hold the string '1e-4'."""
+    from ruamel.yaml import YAML
+
+    value = parse_override("train.learning_rate=1e-4")["train"]["learning_rate"]
+    assert value == 1e-4 and isinstance(value, float)
+    assert parse_override("train.learning_rate='1e-4'")["train"]["learning_rate"] == "1e-4", "quoted stays text"
+    edited = edited_yaml((REPO / "params.yaml").read_text(), {"train.learning_rate": value})
+    assert YAML(typ="safe", pure=True).load(edited)["train"]["learning_rate"] == 1e-4  # as DVC reads it
+    assert yaml.safe_load(edited)["train"]["learning_rate"] == 1e-4
+
+
 def test_local_edits_name_what_differs_from_the_committed_params(failing_repo):
     assert local_edits(failing_repo) == []
     path = failing_repo / "params.yaml"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -329,12 +330,18 @@ def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# a float as YAML 1.2 reads it: PyYAML (YAML 1.1) wants a dot and a signed exponent, so reads 1e-5 as a string
+_YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
 def parse_override(item: str) -> dict:
     """'section.key=value' -> {'section': {'key': value}}, the value parsed as YAML (1e-5, true, null)."""
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ParamsError(f"override {item!r}: expected section.key=value")
     value: Any = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str) and _YAML12_FLOAT.fullmatch(raw.strip()):
+        value = float(raw)  # 1e-4 a number, as DVC (YAML 1.2) reads it back from params.yaml
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
