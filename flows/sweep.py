@@ -312,8 +312,9 @@ def frontier_markdown(report: dict) -> str:
         lines.append(f"| {c['setting']} | {c['algo']} | {c['n']} | {f.get(metric, float('nan')):.3f} | "
                      f"{f.get('win_rate_rm', float('nan')):.3f} | {f.get('mean_kl', float('nan')):.2f} | {mark} |")
     for algo, fit in report["gao_fit"].items():
-        peak = (f"gold peaks at KL {fit['peak_kl']:.2f}" + (" (inside the sweep)" if fit["turns_within_sweep"]
-                                                           else " (outside the swept range)")
+        turn = ("; gold falls beyond it: over-optimization" if fit["turns_within_sweep"]
+                else "; beyond the farthest point: no turn seen yet")
+        peak = (f"gold peaks at KL {fit['peak_kl']:.2f}{turn}"
                 if fit["peak_kl"] is not None else "no peak (beta <= 0)")
         r2 = "n/a (equal gains)" if fit["r2"] is None else f"{fit['r2']:.2f}"
         lines.append(f"\n{algo}: R(d) = d ({fit['alpha']:.3f} - {fit['beta']:.3f} ln d), R² {r2}; {peak}")

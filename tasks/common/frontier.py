@@ -31,7 +31,8 @@ class GaoFit:
     n: int               # points fitted
     peak_kl: float | None    # KL where the fitted gold peaks; None when it never turns (beta <= 0)
     peak_gain: float | None  # the fitted gold gain there
-    turns_within_sweep: bool  # the peak lies inside the swept KL range: the over-optimization turn was seen
+    turns_within_sweep: bool  # gold rises from the SFT reference (KL 0, gain 0) to the peak and falls after it
+    # within the points: the peak lies below the farthest point's KL (the turn measured, not extrapolated)
 
 
 def gold_gain(figures: dict) -> float | None:
@@ -74,7 +75,7 @@ def fit_gao(kls: Sequence[float], gains: Sequence[float]) -> GaoFit | None:
     if beta > 0 and alpha / beta - 1.0 < 40:
         d_star = math.exp(alpha / beta - 1.0)
         peak_kl, peak_gain = d_star ** 2, float(beta * d_star)  # R(d*) = beta d*
-        turns = bool(d.min() < d_star < d.max())
+        turns = bool(d_star < d.max())  # the reference at d = 0 is measured by every evaluation (ref_mean_*)
     return GaoFit(float(alpha), float(beta), r2, len(pairs), peak_kl, peak_gain, turns)
 
 
@@ -151,6 +152,8 @@ def plot_frontier(report: dict, target: Path) -> None:
     colours = dict(zip(algos, plt.rcParams["axes.prop_cycle"].by_key()["color"][:len(algos)], strict=True))
     reach = max(p["sqrt_kl"] for p in report["points"]) * 1.15
     for ax, (key, title) in zip(axes[0], panels, strict=True):
+        # every evaluation also scores the SFT reference: the frontier's point at KL 0, gain 0 by definition
+        ax.scatter([0], [0], marker="s", color="grey", label="SFT reference", zorder=3)
         for algo, colour in colours.items():
             mine = [p for p in report["points"] if p["algo"] == algo and p[key] is not None]
             ax.scatter([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, label=algo, zorder=3)
@@ -160,7 +163,7 @@ def plot_frontier(report: dict, target: Path) -> None:
                        label="gate's pick" if algo == next(iter(colours)) or picked else None)
             fit = report["gao_fit"].get(algo) if key == "gold_gain" else None
             if fit:
-                d = np.linspace(0, max(reach, math.sqrt(fit["peak_kl"] or 0) * 1.1), 200)
+                d = np.linspace(0, reach, 200)
                 ax.plot(d, gao_curve(d, fit["alpha"], fit["beta"]), color=colour, linewidth=1,
                         label=f"{algo} fit: α={fit['alpha']:.3g}, β={fit['beta']:.3g}"
                               + (f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""))
@@ -172,5 +175,8 @@ def plot_frontier(report: dict, target: Path) -> None:
         handles, labels = ax.get_legend_handles_labels()
         seen = dict(zip(labels, handles, strict=True))  # one entry per label
         ax.legend(seen.values(), seen.keys(), fontsize=7)
-        ax.set(xlabel="sqrt(KL to the SFT reference)", ylabel=title, title=title.split(" gained")[0] + " vs drift")
+        ax.set(xlabel="sqrt(KL to the SFT reference)", ylabel=title, title=title.split(" gained")[0] + " vs drift",
+               xlim=(-0.05 * reach, reach))
+    pick = f"; the gate picks {report['gate_pick']}" if report.get("gate_pick") else ""
+    fig.suptitle(f"Reward–KL frontier of sweep {report.get('sweep', '')}{pick}", fontsize=10)
     _save(fig, target)
