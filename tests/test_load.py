@@ -34,9 +34,9 @@ import yaml
 from test_pipeline import TINY
 from test_server import (
     BIN,
-    REPO,
     _flow_run,
     _prefect,
+    make_repo,
     sh,
     stack,  # noqa: F401  (the module-scoped fixture: infra/stack.sh up ... down)
 )
@@ -50,25 +50,6 @@ RUN_S = 900  # a bound on one pipeline run
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", "DVC_NO_ANALYTICS": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-
-
-def make_repo(path: Path) -> Path:
-    """The pipeline in a fresh git + DVC repo, TINY world in params.yaml (as tests/test_server.py's `repo`)."""
-    from tasks.common.params import deep_merge, parse_override
-
-    path.mkdir(parents=True, exist_ok=True)
-    for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "pyproject.toml"):
-        shutil.copy(REPO / item, path / item)
-    for package in ("rlhf_core", "tasks", "flows", "cli", "infra/accelerate", "infra/work-pools"):
-        shutil.copytree(REPO / package, path / package, ignore=shutil.ignore_patterns("__pycache__", ".state"))
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for item in TINY:
-        params = deep_merge(params, parse_override(item))
-    (path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@example.com"], ["git", "config", "user.name", "t"],
-                [BIN / "dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
-        sh(*cmd, cwd=path)
-    return path
 
 
 def copy_workspace(source: Path, dest: Path) -> Path:
@@ -190,7 +171,7 @@ def deployed(stack, tmp_path_factory):  # noqa: F811
     """The TINY pipeline deployed with `prefect deploy --all`, the pool limited to POOL_LIMIT runs at a time, the
     deployment's own limit lifted, and one run done through the worker (every stage run once)."""
     env = client_env(stack)
-    repo = make_repo(tmp_path_factory.mktemp("load") / "repo")
+    repo = make_repo(tmp_path_factory.mktemp("load") / "repo", TINY)
     sh(BIN / "prefect", "--no-prompt", "deploy", "--all", cwd=repo, env=env, timeout=300)
     sh(BIN / "prefect", "--no-prompt", "work-pool", "set-concurrency-limit", POOL, str(POOL_LIMIT), cwd=repo, env=env)
     from prefect import get_client

@@ -118,25 +118,30 @@ def stack(tmp_path_factory):
         assert "running" not in status, status
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    """The pipeline in a fresh git + DVC repo (as a clone would be), TINY world in params.yaml."""
+def make_repo(path: Path, tiny: list[str], extra: tuple[str, ...] = ()) -> Path:
+    """The pipeline in a fresh git + DVC repo (as a clone would be), the `tiny` overrides in params.yaml; `extra`:
+    more files of the repo to commit with it."""
     from tasks.common.params import deep_merge, parse_override
 
-    path = tmp_path_factory.mktemp("repo")
-    for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "pyproject.toml"):
+    path.mkdir(parents=True, exist_ok=True)
+    for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "pyproject.toml", *extra):
+        (path / item).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / item, path / item)
     for package in ("rlhf_core", "tasks", "flows", "cli", "infra/accelerate", "infra/work-pools"):
         shutil.copytree(REPO / package, path / package, ignore=shutil.ignore_patterns("__pycache__", ".state"))
-    shutil.copy(REPO / "infra" / "prefect-gpu.yaml", path / "infra" / "prefect-gpu.yaml")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for item in TINY:
+    for item in tiny:
         params = deep_merge(params, parse_override(item))
     (path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     for cmd in (["git", "init", "-q"], ["git", "config", "user.email", "t@example.com"], ["git", "config", "user.name", "t"],
                 [BIN / "dvc", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         sh(*cmd, cwd=path)
     return path
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    return make_repo(tmp_path_factory.mktemp("repo"), TINY, ("infra/prefect-gpu.yaml",))
 
 
 def _flow_run(client_env: dict, flow_run_id):
