@@ -20,7 +20,7 @@ def sweep(grid: Grid,
           concurrency: Annotated[int, typer.Option(min=1, help="Points at once; > 1 needs --deployment (one "
                                                                "workspace runs one point at a time).")] = 1,
           deployment: Annotated[str, typer.Option(help="Run each point as a run of this deployment "
-                                                       "(e.g. rlhf-pipeline/manual) on its work pool.")] = "",
+                                                       "(e.g. rlhf-pipeline/point) on its work pool.")] = "",
           wait: Annotated[float, typer.Option(min=0, help="Seconds a point waits while another run holds "
                                                           "this workspace.")] = 600.0) -> None:
     """Run the pipeline for every point of a grid, then draw the reward–KL frontier.

@@ -211,7 +211,7 @@ def test_gpu_deployments_name_their_pools_variables_and_valid_parameters():
         assert params.runtime.mixed_precision == "bf16"
     assert seen == set(pools)
     top = yaml.safe_load((REPO / "prefect.yaml").read_text())
-    assert {d["name"] for d in top["deployments"]} == {"manual", "nightly", "frontier"}  # the local ones untouched
+    assert {d["name"] for d in top["deployments"]} == {"manual", "nightly", "point", "frontier"}  # the local ones untouched
 
 
 def _guide() -> str:

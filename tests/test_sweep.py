@@ -209,3 +209,59 @@ def test_a_sweep_killed_mid_point_resumes_without_rerunning_finished_points(pipe
     assert report["metric"] == "win_rate_gold" and report["gate_pick"] in {c["setting"] for c in report["candidates"]}
     assert (repo / "reports" / "sweep" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
     assert yaml.safe_load((repo / "params.yaml").read_text()) == yaml.safe_load(committed)
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_its_points_two_at_a_time_on_two_workers(pipeline_repo, tmp_path):  # noqa: F811
+    """`--deployment rlhf-pipeline/point --concurrency 2`: two workers (`rlhf serve`), each in its own clone,
+    sharing one DVC cache and one MLflow store. The first point runs alone and leaves the shared stages in the
+    cache; the other two run at once, one per worker, the second worker restoring the shared stages from DVC's
+    run cache; each point's figures come back from its MLflow run, under the sweep's."""
+    from mlflow import MlflowClient
+    from test_flow import prefect_server, sh
+
+    shared = tmp_path / "shared"
+    mlflow_uri = f"sqlite:///{pipeline_repo / 'mlflow.db'}"
+    workers = []
+    for name in ("worker-a", "worker-b"):
+        clone = tmp_path / name
+        sh("git", "clone", "-q", str(pipeline_repo), str(clone), cwd=tmp_path)
+        sh(str(BIN / "dvc"), "cache", "dir", "--local", str(shared / "dvc-cache"), cwd=clone)
+        workers.append(clone)
+    grid = ["--grid", "train.learning_rate=0.0001,0.0003,0.001"]
+    with prefect_server(tmp_path, "--no-scheduler") as api:
+        env = base_env(PREFECT_API_URL=api, MLFLOW_TRACKING_URI=mlflow_uri)
+        serves = [subprocess.Popen([BIN / "rlhf", "serve"], cwd=clone, stdout=(clone / "serve.log").open("w"),
+                                   stderr=subprocess.STDOUT, env={**env, "PREFECT_HOME": str(clone / ".prefect")},
+                                   start_new_session=True) for clone in workers]
+        try:
+            sweep = subprocess.run([BIN / "rlhf", "sweep", *grid, "--deployment", "rlhf-pipeline/point",
+                                    "--concurrency", "2"], cwd=pipeline_repo, env=env, capture_output=True,
+                                   text=True, timeout=1500)
+        finally:
+            for serve in serves:
+                os.killpg(serve.pid, signal.SIGTERM)
+                serve.wait(timeout=60)
+    logs = "\n".join((c / "serve.log").read_text()[-2000:] for c in workers)
+    assert sweep.returncode == 0, f"{sweep.stdout[-3000:]}\n{sweep.stderr[-3000:]}\n{logs}"
+    state = _state(pipeline_repo)
+    assert [p["status"] for p in state["points"].values()] == ["FINISHED"] * 3, state
+
+    client = MlflowClient(mlflow_uri)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
+    points = sorted((r for r in runs if r.data.tags.get("mlflow.parentRunId") == state["mlflow_run_id"]),
+                    key=lambda r: r.info.start_time)
+    assert [r.info.status for r in points] == ["FINISHED"] * 3
+    assert {r.data.tags["rlhf.root"] for r in points} == {str(w) for w in workers}, "both workers ran points"
+    first, second, third = points
+    assert first.info.end_time <= min(second.info.start_time, third.info.start_time), "the first point ran alone"
+    assert second.info.start_time < third.info.end_time and third.info.start_time < second.info.end_time, \
+        "the other two ran at once"
+    prepares = [r for r in runs if r.data.tags.get("rlhf.stage") == "prepare"]
+    assert len(prepares) == 1, "the shared stages ran once; the other clone restored them from the run cache"
+    for run in points:  # the figures the frontier drew are the point's evaluation as its run recorded it
+        recorded = state["points"][next(label for label, p in state["points"].items()
+                                        if p["experiment"] == run.data.tags["rlhf.experiment"])]["figures"]
+        assert recorded["mean_kl"] == pytest.approx(run.data.metrics["eval/mean_kl"])
+    report = json.loads((pipeline_repo / "reports" / "sweep" / "frontier.json").read_text())
+    assert len(report["points"]) == 3

@@ -373,7 +373,7 @@ def test_deployments_page_lists_manual_nightly_and_the_sweep_with_its_schedule(w
         open_deployments(browser, world)
         rows = {r.find_element(By.XPATH, ".//td[2]").text.splitlines()[0]: r.text
                 for r in browser.find_elements(By.XPATH, "//tbody/tr")}
-        assert set(rows) == {"manual", "nightly", "frontier"}, rows
+        assert set(rows) == {"manual", "nightly", "point", "frontier"}, rows
         assert "rlhf-pipeline" in rows["manual"] and "rlhf-pipeline" in rows["nightly"], rows
         assert "rlhf-sweep" in rows["frontier"], rows["frontier"]
         # prefect.yaml's cron "0 2 * * *" in words, active; the manual deployment has no schedule
