@@ -226,6 +226,8 @@ start_mlflow() {
 }
 
 launch_mlflow() {
+  # MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: MLflow 3.17's job runner (7 worker processes, ~2 GiB of the server's
+  # 2.5 GiB under load; bench/RESULTS.md) serves GenAI jobs this pipeline never submits
   (umask 077; cat > "$STATE/mlflow-auth.ini" <<EOF
 [mlflow]
 default_permission = READ
@@ -240,6 +242,7 @@ EOF
     MLFLOW_FLASK_SERVER_SECRET_KEY="$RLHF_FLASK_SECRET" \
     MLFLOW_S3_ENDPOINT_URL="http://$HOST:$S3_PORT" AWS_ACCESS_KEY_ID="$RLHF_S3_KEY_ID" \
     AWS_SECRET_ACCESS_KEY="$RLHF_S3_SECRET" AWS_DEFAULT_REGION=us-east-1 \
+    MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false \
     "$BIN/mlflow" server --app-name basic-auth --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
     --artifacts-destination "s3://$MLFLOW_BUCKET"
   say "mlflow on http://$HOST:$MLFLOW_PORT (Postgres backend, artifacts s3://$MLFLOW_BUCKET, basic auth)"
