@@ -642,13 +642,15 @@ def sleeping_repo(tmp_path, mlflow_db_template):
     return git_dvc_repo(tmp_path)
 
 
-def processes_in(directory: Path) -> list[str]:
-    """Command lines of the processes whose working directory is `directory`."""
+def processes_in(directory: Path, kill: bool = False) -> list[str]:
+    """Command lines of the processes whose working directory is `directory`; with `kill`, each is SIGKILLed."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if Path(os.readlink(proc / "cwd")) == directory:
                 found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+                if kill:
+                    os.kill(int(proc.name), signal.SIGKILL)
         except OSError:
             continue
     return found

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_flow import base_env, pipeline_repo  # noqa: F401 (a fixture)
+from test_flow import base_env, pipeline_repo, processes_in  # noqa: F401 (a fixture)
 
 from flows.sweep import GridError, parse_grid, plan, sweep_key
 from tasks.common.frontier import candidates, fit_gao, frontier, gao_curve, gate_pick
@@ -147,19 +147,6 @@ def _state(repo: Path) -> dict:
     return states[0] if states else {"points": {}}
 
 
-def _kill_processes_in(directory: Path) -> list[str]:
-    """SIGKILL every process whose working directory is `directory`; their command lines."""
-    killed = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if Path(os.readlink(proc / "cwd")) == directory:
-                killed.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
-    return killed
-
-
 @pytest.mark.slow
 def test_a_sweep_killed_mid_point_resumes_without_rerunning_finished_points(pipeline_repo, tmp_path):  # noqa: F811
     from mlflow import MlflowClient
@@ -179,14 +166,14 @@ def test_a_sweep_killed_mid_point_resumes_without_rerunning_finished_points(pipe
     first.wait(timeout=60)
     # the temporary Prefect server runs in its own session (so a Ctrl-C reaches the run, not it): a kill -9 of the
     # CLI leaves it behind, as a dead machine would not; stop it as the dead machine would have
-    orphans = _kill_processes_in(repo)
+    orphans = processes_in(repo, kill=True)
     assert [p["grid"] for p in finished] == [["train.learning_rate=0.0001"]]
     assert (repo / "params.yaml").read_text() != committed, "killed with the second point's overrides in place"
 
     second = _sweep(repo, tmp_path / "second.log")
     assert second.wait(timeout=900) == 0, (tmp_path / "second.log").read_text()[-4000:]
     assert any("prefect" in cmd for cmd in orphans), orphans
-    assert not _kill_processes_in(repo), "the rerun left nothing running"
+    assert not processes_in(repo, kill=True), "the rerun left nothing running"
     out = (tmp_path / "second.log").read_text()
     assert "2 points; 1 finished earlier (kept, not rerun), 1 to run" in out, out[-3000:]
     assert (repo / "params.yaml").read_text() == committed, "the killed point's overrides were put back"
