@@ -83,9 +83,27 @@ def _stop(server: subprocess.Popen) -> None:
         server.wait()
 
 
+# uvicorn, stopped as by a terminate() once the process that started it is gone: in its own session, a kill -9
+# of `rlhf run` would otherwise leave it running for good. Polling the parent works on Linux and macOS alike.
+_UVICORN_WHILE_PARENT_LIVES = """
+import os, runpy, signal, sys, threading, time
+parent = os.getppid()
+def stop_when_orphaned():
+    while os.getppid() == parent:
+        time.sleep(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(15)
+    os._exit(1)
+threading.Thread(target=stop_when_orphaned, daemon=True).start()
+sys.argv = ["uvicorn", *sys.argv[1:]]
+runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
+"""
+
+
 def _start_server(meanwhile: Callable[[], object] = lambda: None) -> tuple[str, subprocess.Popen]:
     """The uvicorn command of Prefect's temporary server (prefect/server/api/server.py, SubprocessASGIServer
-    in Prefect 3.8), in a new session; runs `meanwhile`, then returns its API URL once it answers."""
+    in Prefect 3.8), in a new session, exiting when this process does; runs `meanwhile`, then returns its API
+    URL once it answers."""
     import httpx
     import prefect
 
@@ -94,7 +112,7 @@ def _start_server(meanwhile: Callable[[], object] = lambda: None) -> tuple[str, 
         port = sock.getsockname()[1]
     env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
+        [sys.executable, "-c", _UVICORN_WHILE_PARENT_LIVES, "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
          "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level",
          "error", "--lifespan", "on"], env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"

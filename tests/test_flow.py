@@ -822,6 +822,31 @@ def test_the_temporary_server_starts_beside_the_runs_own_preparation(tmp_path, m
     assert not [p for p in processes_in(tmp_path) if "uvicorn" in p], "server left behind"
 
 
+def test_the_temporary_server_exits_when_its_run_is_killed(tmp_path):
+    """The temporary server runs in its own session, out of reach of a Ctrl-C meant for the run; a kill -9 of
+    the run (the OOM killer, a CI timeout) must not leave it serving for good: it stops once its parent is gone."""
+    script = ("import sys, time\n"
+              "from flows.prefect_env import temporary_server_if_needed\n"
+              "with temporary_server_if_needed() as url:\n"
+              "    print(url, flush=True)\n"
+              "    time.sleep(600)\n")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect"), "PYTHONPATH": str(REPO)}
+    env.pop("PREFECT_API_URL", None)
+    run = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = run.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert [p for p in processes_in(tmp_path) if "uvicorn" in p], "the server runs beside the run"
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.monotonic() + 60
+    while [p for p in processes_in(tmp_path) if "uvicorn" in p] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [p for p in processes_in(tmp_path, kill=True) if "uvicorn" in p], "server orphaned by a kill -9"
+
+
 @pytest.fixture
 def gated_repo(tmp_path, mlflow_db_template):
     """A pipeline whose middle stage waits for a file `go` (the test's cue), then finishes."""
