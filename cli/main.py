@@ -19,7 +19,8 @@ from cli.params import app as params_app
 from cli.sweep import sweep
 
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")  # paragraphs of a docstring reflow to the terminal
 
 
 def _print_version(value: bool) -> None:

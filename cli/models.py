@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(help="The MLflow model registry: list, compare and promote policy versions.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")
 
 Name = Annotated[str | None, typer.Option("--name", help="Registered model [default: params.yaml register.model_name]")]
 HEADLINE = ("win_rate_rm", "win_rate_gold", "mean_kl", "mean_score_rm", "mean_score_gold", "eos_rate", "mean_length")

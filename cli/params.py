@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 
 app = typer.Typer(help="params.yaml against the committed one: diff, reset.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_enable=False)
+                  add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown")
 
 
 def _edits() -> list:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -44,3 +46,20 @@ def test_version_and_a_mistyped_command():
     assert result.exit_code == 0 and result.output.strip() == f"rlhf-pipeline {version('rlhf-pipeline')}"
     result = CliRunner().invoke(app, ["modles", "list"])
     assert result.exit_code == 2 and "Did you mean 'models'?" in result.output, result.output
+
+
+def _commands(command, path=()):
+    yield list(path), command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_help_text_reflows_its_docstring_paragraphs():
+    """A docstring's paragraphs are wrapped to the terminal, not broken again at the source's line ends (rich's
+    default kept those: at 80 columns a sentence ran on after a short line)."""
+    for path, command in _commands(typer.main.get_command(app)):
+        out = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "400"}).output
+        doc = inspect.getdoc(command.callback) if command.callback else command.help
+        paragraphs = [" ".join(p.replace("`", "").split()) for p in (doc or "").split("\n\n") if p.strip()]
+        lines = {" ".join(line.strip(" │").split()) for line in out.splitlines()}
+        assert paragraphs and set(paragraphs) <= lines, (path, [p for p in paragraphs if p not in lines], out)
