@@ -52,7 +52,7 @@ SHOTS = REPO / "reports" / "ui"
 WAIT_S = 60  # a deadline for a page or an element to appear, not a timing assertion
 RUN_S = 900  # a deadline for a pipeline run to get somewhere
 MODEL = "rlhf-policy"
-BASE_KL, CUSTOM_KL = "0.15", "0.3"  # params.yaml's train.kl_coef, and the custom run's override
+BASE_KL, CUSTOM_KL = "0.3", "0.15"  # params.yaml's train.kl_coef, and the custom run's override
 # The demo world shrunk as tests/test_pipeline.py shrinks it, with 4 RL updates so that the charts draw lines. The
 # tiny policy barely moves from SFT (win rate 0.5), so the gate's floor is lowered for a champion to exist.
 WORLD = [*TINY, "train.gradient_accumulation_steps=1", "register.min_primary=0.0"]

@@ -281,7 +281,7 @@ class Params(_Section):
 
 def deep_merge(base: dict, override: dict) -> dict:
     """`override` over `base`, section by section. A train setting that `override` names, by our name or its TRL
-    alias, replaces every name of it in `base`: `--set train.beta=0.1` over params.yaml's `kl_coef: 0.15` leaves
+    alias, replaces every name of it in `base`: `--set train.beta=0.1` over params.yaml's `kl_coef: 0.3` leaves
     `beta` alone, not both names (which validation refuses)."""
     out = copy.deepcopy(base)
     if isinstance(out.get("train"), dict) and isinstance(override.get("train"), dict):
