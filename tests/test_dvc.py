@@ -198,5 +198,5 @@ def test_editing_a_profile_reruns_exactly_the_stages_it_feeds(dvc_repo):
     assert stale_with_profile() == set(), "nothing changed since"
     profile.write_text(profile.read_text().replace("num_probes: 4", "num_probes: 6"))
     assert stale_with_profile() == {"inspect"}, "inspect's params changed; its downstream waits for its outputs"
-    profile.write_text(profile.read_text() + "train:\n  kl_coef: 0.3\n")
+    profile.write_text(profile.read_text() + "train:\n  kl_coef: 0.07  # not params.yaml's value\n")
     assert stale_with_profile() == {"inspect", "train"}
