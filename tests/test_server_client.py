@@ -33,6 +33,7 @@ from tasks.common.mlflow_tracker import MlflowTracker
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+LATE_REPLY_S, CLIENT_TIMEOUT_S = 4, "2"  # a reply the server sends after the client stopped waiting
 
 
 def free_port() -> int:
@@ -48,12 +49,22 @@ class TrackingServer:
         self.port, self.db, self.artifacts = free_port(), db, artifacts
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = None
+        self.late: dict[str, int] = {}  # API path -> how many more of its replies come after the client gave up
+
+    def _app(self, environ, start_response):
+        from mlflow.server import app
+
+        reply = app(environ, start_response)  # the server does the work...
+        path = environ["PATH_INFO"]
+        if self.late.get(path, 0) > 0:
+            self.late[path] -= 1
+            time.sleep(LATE_REPLY_S)  # ...and its reply is lost: it comes after the client's timeout
+        return reply
 
     def start(self) -> None:
-        from mlflow.server import app
         from werkzeug.serving import make_server
 
-        self._server = make_server("127.0.0.1", self.port, app, threaded=True)
+        self._server = make_server("127.0.0.1", self.port, self._app, threaded=True)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -267,6 +278,39 @@ def test_calls_that_must_happen_now_wait_for_a_restarting_server(tracking_server
         tracking_server.start()
     with pytest.raises(Exception, match="RESOURCE_DOES_NOT_EXIST|not found|does not exist"):
         client.set_registered_model_alias(name, "champion", "7")  # a refusal is not retried: raised at once
+
+
+def test_a_creation_whose_reply_is_lost_is_made_once(tracking_server, fast_client, monkeypatch, tmp_path,
+                                                    make_policy, tokenizer):
+    """The server makes the model, the run or the version, and its reply is lost (a timeout): the retry finds
+    what the lost try made instead of failing on RESOURCE_ALREADY_EXISTS or making a second one."""
+    from mlflow import MlflowClient
+
+    from tasks.common.mlflow_tracker import RetryingClient
+    from tasks.common.stage_tracking import MlflowStageRun
+    from tasks.stages.register import log_policy
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", CLIENT_TIMEOUT_S)
+    plain, url = MlflowClient(tracking_server.url), tracking_server.url
+    client = RetryingClient(plain, url)
+    name = f"policy-{time.monotonic_ns()}"
+    tracking_server.late["/api/2.0/mlflow/registered-models/create"] = 1
+    assert client.create_registered_model(name).name == name
+    assert tracking_server.late["/api/2.0/mlflow/registered-models/create"] == 0, "the reply was lost"
+
+    exp = plain.create_experiment(f"lost-{time.monotonic_ns()}")
+    tracking_server.late["/api/2.0/mlflow/runs/create"] = 1
+    run = client.create_run(exp, run_name="once", tags={"kept": "yes"})
+    assert [r.info.run_id for r in plain.search_runs([exp])] == [run.info.run_id]
+    assert run.data.tags["kept"] == "yes" and run.info.run_name == "once"
+
+    make_policy().save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    stage_run = MlflowStageRun(plain, run.info.run_id, exp, url)
+    tracking_server.late["/api/2.0/mlflow/model-versions/create"] = 1
+    version = log_policy(stage_run, tmp_path / "policy", name, "a card")
+    assert tracking_server.late["/api/2.0/mlflow/model-versions/create"] == 0, "the reply was lost"
+    assert [v.version for v in plain.search_model_versions(f"name='{name}'")] == [version] == ["1"]
 
 
 def test_a_local_store_is_written_in_line(mlflow_root):

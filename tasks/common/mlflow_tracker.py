@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -170,17 +171,25 @@ def retry_seconds() -> float:
         raise ValueError(f"{RETRY_ENV}={raw!r}: expected a number of seconds") from None
 
 
-def retrying(what: str, fn: Callable[..., T], *args, server: str = "", **kwargs) -> T:
+def retrying(what: str, fn: Callable[..., T], *args, server: str = "",
+             landed: Callable[[], T | None] | None = None, **kwargs) -> T:
     """`fn(*args, **kwargs)` now, retried with backoff while its failure is transient, for up to
-    RLHF_MLFLOW_RETRY_S; then TrackingUnavailable naming the server and `what`. Other failures raise as they are."""
-    give_up_at, delay, warned = time.monotonic() + retry_seconds(), 1.0, False
+    RLHF_MLFLOW_RETRY_S; then TrackingUnavailable naming the server and `what`. Other failures raise as they are.
+
+    `landed`, for a call that creates something: a try that timed out may have been done by the server with
+    its reply lost, and a second try would then fail (RESOURCE_ALREADY_EXISTS) or make a duplicate. So after a
+    transient failure `landed()` is asked first; what it finds (not None) is what the failed try made."""
+    give_up_at, delay, warned, failed = time.monotonic() + retry_seconds(), 1.0, False, False
     while True:
         try:
+            if failed and landed is not None and (made := landed()) is not None:
+                return made
             return fn(*args, **kwargs)
         except Exception as err:
             cause = transient_cause(err)
             if cause is None:
                 raise
+            failed = True
             where = server or cause.server or "the tracking server"
             if time.monotonic() >= give_up_at:
                 raise TrackingUnavailable(f"MLflow at {where} did not answer within {retry_seconds():.0f} s "
@@ -193,9 +202,13 @@ def retrying(what: str, fn: Callable[..., T], *args, server: str = "", **kwargs)
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 
+CREATE_REQUEST_TAG = "rlhf.create_request"  # one id per create_run call: how a retry finds the run a lost reply made
+
+
 class RetryingClient:
     """An MlflowClient whose every call is `retrying`: for the stages' calls that must happen now (registering
-    a model, reading the registry) against a server that may be restarting."""
+    a model, reading the registry) against a server that may be restarting. Its creations happen once, however
+    many tries they take."""
 
     def __init__(self, client, server: str):
         self._client, self._server = client, server
@@ -209,6 +222,33 @@ class RetryingClient:
             return retrying(name, attr, *args, server=self._server, **kwargs)
 
         return call
+
+    def create_run(self, experiment_id: str, start_time: int | None = None, tags: dict | None = None,
+                   run_name: str | None = None):
+        request = uuid.uuid4().hex
+
+        def landed():
+            found = self._client.search_runs([experiment_id], f"tags.`{CREATE_REQUEST_TAG}` = '{request}'",
+                                             max_results=1)
+            return found[0] if found else None
+
+        return retrying("create_run", self._client.create_run, experiment_id, start_time,
+                        {**(tags or {}), CREATE_REQUEST_TAG: request}, run_name, server=self._server, landed=landed)
+
+    def create_registered_model(self, name: str, *args, **kwargs):
+        return retrying("create_registered_model", self._client.create_registered_model, name, *args,
+                        server=self._server, landed=lambda: registered_model_or_none(self._client, name), **kwargs)
+
+
+def registered_model_or_none(client, name: str):
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_registered_model(name)
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
 
 
 def _describe(err: Exception) -> str:

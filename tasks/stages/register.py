@@ -254,19 +254,28 @@ def log_policy(run: MlflowStageRun, policy_dir: Path, model_name: str, card: str
             extra["base_model_path"] = str(Path(base).resolve())
     else:
         model = load_policy(policy_dir)
-    with _mlflow_pointed_at(run):  # a server that is restarting: retried until it answers (RLHF_MLFLOW_RETRY_S)
-        info = retrying(
-            f"logging and registering the policy as {model_name}", mlflow.transformers.log_model,
+    def log_and_register() -> str:
+        return str(mlflow.transformers.log_model(
             {"model": model, "tokenizer": load_tokenizer(policy_dir)}, name="policy", task="text-generation",
             pip_requirements=_pip_requirements(adapter.is_file()), registered_model_name=model_name,
-            run_id=run.run_id, model_card=ModelCard(card), server=redact(run.uri) if is_remote(run.uri) else "",
-            **extra)  # a card of our own: no hub lookup
+            run_id=run.run_id, model_card=ModelCard(card), **extra).registered_model_version)  # our card: no hub
+
+    with _mlflow_pointed_at(run):  # a server that is restarting: retried until it answers (RLHF_MLFLOW_RETRY_S)
+        version = retrying(f"logging and registering the policy as {model_name}", log_and_register,
+                           server=redact(run.uri) if is_remote(run.uri) else "",
+                           landed=lambda: version_of_run(run.client, model_name, run.run_id))
     merged_from = policy_dir / ADAPTER_DIR
     if merged_from.is_dir():  # the adapter alone (kilobytes to megabytes), for users who serve base + adapter
         run.client.log_artifacts(run.run_id, str(merged_from), ADAPTER_DIR)
-        run.client.set_model_version_tag(model_name, str(info.registered_model_version), "adapter",
-                                         f"runs:/{run.run_id}/{ADAPTER_DIR}")
-    return str(info.registered_model_version)
+        run.client.set_model_version_tag(model_name, version, "adapter", f"runs:/{run.run_id}/{ADAPTER_DIR}")
+    return version
+
+
+def version_of_run(client, model_name: str, run_id: str) -> str | None:
+    """The version of `model_name` that the stage run `run_id` registered, if any: a register stage's run
+    registers one, so a retry that finds it knows its lost try made it."""
+    found = [v for v in client.search_model_versions(f"run_id='{run_id}'") if v.name == model_name]
+    return str(found[0].version) if found else None
 
 
 MLFLOW_EXPORTS = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_ID")
