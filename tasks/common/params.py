@@ -126,8 +126,9 @@ class RewardModelParams(RewardConfig):
     pretrained: str | None = None
     """An already trained reward model (dir or hub id): the stage only evaluates it."""
     init_from_sft: bool = False
-    """Start from the SFT policy's backbone (summarize-from-feedback) instead of a fresh tiny model: on the
-    demo world a fresh init scored higher (gold accuracy 0.855-0.869 vs 0.82-0.85)."""
+    """Start from the SFT policy's backbone (summarize-from-feedback) instead of a fresh tiny model. The demo
+    sets it: after 4 SFT epochs it lifts PPO's and RLOO's gold win rates to 0.91 over seeds 0-2 (fresh: 0.84,
+    0.87; docs/sweep.md#how-the-demos-defaults-were-set)."""
 
 
 class InspectParams(InspectionConfig):
