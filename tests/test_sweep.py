@@ -22,7 +22,7 @@ import yaml
 from test_flow import base_env, pipeline_repo, processes_in  # noqa: F401 (a fixture)
 
 from flows.sweep import GridError, parse_grid, plan, sweep_key
-from tasks.common.frontier import candidates, fit_gao, frontier, gao_curve, gate_pick
+from tasks.common.frontier import candidates, fit_gao, frontier, frontier_figure, gao_curve, gate_pick
 
 BIN = Path(sys.executable).parent
 
@@ -92,6 +92,42 @@ def test_without_a_gold_reward_there_is_no_fit_and_the_reward_model_decides():
     report = frontier(points, "win_rate_rm", 4.0)
     assert report["gao_fit"] == {} and report["gate_pick"] == "kl_coef=0.05"
     assert report["points"][0]["gold_gain"] is None and report["points"][0]["rm_gain"] == 0.99
+
+
+
+def _insets(ax) -> list:
+    return [child for child in ax.child_axes]
+
+
+def test_the_figure_zooms_onto_points_crowded_near_each_other_and_shows_the_budget_near_them():
+    """The demo's turn is a few hundredths wide next to the reference's (0, 0): an inset zooms onto the points, each
+    algorithm's joined in order of drift. Points spread over the panel need none."""
+    from tasks.common.plots import plt
+
+    crowded = [_point([f"train.kl_coef={c}", f"train.algo={a}"], a, 0, gold, rm, kl) for c, a, gold, rm, kl in (
+        (0.3, "ppo", 0.503, 1.783, 1.43), (0.15, "ppo", 0.517, 1.827, 1.81), (0.02, "ppo", 0.493, 1.855, 2.37),
+        (0.3, "rloo", 0.497, 1.825, 1.85), (0.02, "rloo", 0.473, 1.908, 2.89))]
+    fig = frontier_figure(frontier(crowded, "win_rate_gold", 4.0, 0.01))
+    gold_panel, rm_panel = fig.axes[:2]
+    for panel, key in ((gold_panel, "gold_gain"), (rm_panel, "rm_gain")):
+        [zoom] = _insets(panel)
+        values = [p["figures"]["mean_score_gold" if key == "gold_gain" else "mean_score_rm"] for p in crowded]
+        low, high = zoom.get_ylim()
+        assert low < min(values) and max(values) < high and high - low < 0.5 * (max(values) - 0), (low, high)
+        drifts = {math.sqrt(p["figures"]["mean_kl"]) for p in crowded}
+        joined = [line for line in zoom.get_lines() if set(line.get_xdata()) <= drifts]
+        assert sorted(len(line.get_xdata()) for line in joined) == [2, 3], "each algorithm's points, joined"
+        assert all(list(line.get_xdata()) == sorted(line.get_xdata()) for line in joined), "in order of drift"
+        assert "KL budget (register.max_kl=4)" in panel.get_legend_handles_labels()[1], "sqrt(4) lies near the points"
+        assert panel.get_xlim()[1] > 2.0
+    plt.close(fig)
+
+    spread = [_point(["train.kl_coef=0.3"], "ppo", 0, 0.2, 0.5, 0.5), _point(["train.kl_coef=0.02"], "ppo", 0, 0.6, 1.5, 2.0)]
+    fig = frontier_figure(frontier(spread, "win_rate_gold", 100.0))
+    assert not any(_insets(ax) for ax in fig.axes), "points spread over the panel need no zoom"
+    assert not any("KL budget" in label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]), \
+        "a budget (sqrt 10) far beyond the farthest point (sqrt 2) would squash the frontier"
+    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------- the grid

@@ -140,43 +140,85 @@ def frontier(points: Sequence[dict], metric: str, max_kl: float, tie_margin: flo
 
 
 def plot_frontier(report: dict, target: Path) -> None:
-    """The frontier as a PNG: gold and reward-model score gained over the SFT reference against sqrt(KL), per
-    algorithm, with the Gao et al. fit of the gold curve and the gate's pick."""
-    from tasks.common.plots import _save, plt
+    """The frontier as a PNG (`frontier_figure`)."""
+    from tasks.common.plots import _save
+
+    _save(frontier_figure(report), target)
+
+
+def frontier_figure(report: dict):
+    """Gold and reward-model score gained over the SFT reference against sqrt(KL), per algorithm, with the Gao et
+    al. fit of the gold curve and the gate's pick. Where the measured points sit close together next to the SFT
+    reference's (0, 0), an inset zooms onto them, each algorithm's points joined in order of drift: the turn
+    (reward model still rising, gold falling) can be a few hundredths wide."""
+    from tasks.common.plots import plt
 
     has_gold = any(p["gold_gain"] is not None for p in report["points"])
-    fig, axes = plt.subplots(1, 2 if has_gold else 1, figsize=(11 if has_gold else 5.5, 4), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if has_gold else 1, figsize=(11 if has_gold else 5.5, 4.6), squeeze=False)
     panels = ([("gold_gain", "gold score gained over SFT")] if has_gold else []) + \
         [("rm_gain", "reward-model score gained over SFT")]
     algos = sorted({p["algo"] for p in report["points"]})
     colours = dict(zip(algos, plt.rcParams["axes.prop_cycle"].by_key()["color"][:len(algos)], strict=True))
-    reach = max(p["sqrt_kl"] for p in report["points"]) * 1.15
+    farthest = max(p["sqrt_kl"] for p in report["points"])
+    budget = math.sqrt(report["max_kl"])
+    # the KL budget is drawn where it is near the points; a budget far beyond them would squash the frontier
+    reach = max(farthest, budget if budget <= 2 * farthest else 0.0) * 1.15
     for ax, (key, title) in zip(axes[0], panels, strict=True):
         # every evaluation also scores the SFT reference: the frontier's point at KL 0, gain 0 by definition
         ax.scatter([0], [0], marker="s", color="grey", label="SFT reference", zorder=3)
+        zoom = ax.inset_axes([0.5, 0.07, 0.46, 0.4]) if _points_crowd(report["points"], key) else None
         for algo, colour in colours.items():
-            mine = [p for p in report["points"] if p["algo"] == algo and p[key] is not None]
-            ax.scatter([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, label=algo, zorder=3)
+            mine = sorted((p for p in report["points"] if p["algo"] == algo and p[key] is not None),
+                          key=lambda p: p["sqrt_kl"])
             picked = [p for p in mine if setting_of(p["grid"]) == report["gate_pick"]]
-            ax.scatter([p["sqrt_kl"] for p in picked], [p[key] for p in picked], marker="*", s=260,
-                       facecolor="none", edgecolor="black", zorder=4,
-                       label="gate's pick" if algo == next(iter(colours)) or picked else None)
             fit = report["gao_fit"].get(algo) if key == "gold_gain" else None
-            if fit:
-                d = np.linspace(0, reach, 200)
-                ax.plot(d, gao_curve(d, fit["alpha"], fit["beta"]), color=colour, linewidth=1,
-                        label=f"{algo} fit: α={fit['alpha']:.3g}, β={fit['beta']:.3g}"
-                              + (f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""))
-                if fit["peak_kl"]:
-                    ax.axvline(math.sqrt(fit["peak_kl"]), color=colour, linestyle=":", linewidth=1)
+            for target_ax in filter(None, (ax, zoom)):
+                target_ax.scatter([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, label=algo,
+                                  zorder=3, s=36 if target_ax is ax else 16)
+                target_ax.scatter([p["sqrt_kl"] for p in picked], [p[key] for p in picked], marker="*",
+                                  s=260 if target_ax is ax else 120, facecolor="none", edgecolor="black", zorder=4,
+                                  label="gate's pick" if algo == next(iter(colours)) or picked else None)
+                if fit:
+                    d = np.linspace(0, reach, 400)
+                    target_ax.plot(d, gao_curve(d, fit["alpha"], fit["beta"]), color=colour, linewidth=1,
+                                   label=f"{algo} fit: α={fit['alpha']:.3g}, β={fit['beta']:.3g}"
+                                   + (f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""))
+                    if fit["peak_kl"]:
+                        target_ax.axvline(math.sqrt(fit["peak_kl"]), color=colour, linestyle=":", linewidth=1)
+            if zoom is not None:
+                zoom.plot([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, linewidth=0.8,
+                          linestyle="--" if fit else "-", zorder=2)
+        if zoom is not None:
+            _frame(zoom, report["points"], key)
+            ax.indicate_inset_zoom(zoom, edgecolor="grey")
         ax.axhline(0, color="grey", linewidth=0.5)
-        ax.axvline(math.sqrt(report["max_kl"]), color="grey", linestyle="--", linewidth=1,
-                   label=f"KL budget (register.max_kl={report['max_kl']:g})")
+        if budget < reach:
+            ax.axvline(budget, color="grey", linestyle="--", linewidth=1,
+                       label=f"KL budget (register.max_kl={report['max_kl']:g})")
         handles, labels = ax.get_legend_handles_labels()
         seen = dict(zip(labels, handles, strict=True))  # one entry per label
-        ax.legend(seen.values(), seen.keys(), fontsize=7)
+        ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2,
+                  frameon=False)
         ax.set(xlabel="sqrt(KL to the SFT reference)", ylabel=title, title=title.split(" gained")[0] + " vs drift",
                xlim=(-0.05 * reach, reach))
     pick = f"; the gate picks {report['gate_pick']}" if report.get("gate_pick") else ""
     fig.suptitle(f"Reward–KL frontier of sweep {report.get('sweep', '')}{pick}", fontsize=10)
-    _save(fig, target)
+    return fig
+
+
+def _points_crowd(points: Sequence[dict], key: str) -> bool:
+    """Whether the measured values of `key` span under a fifth of the panel's height (0 to the farthest value): too
+    close together to read their order next to the reference's (0, 0)."""
+    values = [p[key] for p in points if p[key] is not None]
+    return len(values) > 1 and (max(values) - min(values)) < 0.2 * max(abs(v) for v in values + [0.0])
+
+
+def _frame(zoom, points: Sequence[dict], key: str) -> None:
+    """The inset's limits: the measured points with a margin, and small tick labels."""
+    xs = [p["sqrt_kl"] for p in points if p[key] is not None]
+    ys = [p[key] for p in points if p[key] is not None]
+    pad_x, pad_y = max(max(xs) - min(xs), 0.05) * 0.15, max(max(ys) - min(ys), 0.01) * 0.25
+    zoom.set_xlim(min(xs) - pad_x, max(xs) + pad_x)
+    zoom.set_ylim(min(ys) - pad_y, max(ys) + pad_y)
+    zoom.tick_params(labelsize=6)
+    zoom.set_title("the measured points, zoomed", fontsize=7)
