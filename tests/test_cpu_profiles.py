@@ -71,7 +71,7 @@ GPU_GUIDE_COMMANDS = {
         "test_launcher.py::test_train_stage_on_two_processes",  # cpu-ddp: DDP on torchrun/gloo
     "rlhf run --profile tldr-pythia-1b --set runtime.num_processes=8 "
     "--set runtime.accelerate_config=infra/accelerate/deepspeed_zero2.yaml":
-        "test_launcher.py::test_sft_and_reward_model_stages_on_two_processes",
+        "test_lora.py::test_cpu_zero2_lora_profile_runs_the_whole_flow_and_registers_a_version",  # the flow on ZeRO-2
     "rlhf run --profile tldr-pythia-1b --set runtime.num_processes=8 "
     "--set runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml":
         "test_cpu_profiles.py::test_the_whole_flow_under_the_cpu_zero3_profile",

@@ -155,17 +155,15 @@ def test_a_batch_the_processes_cannot_fill_fails_before_any_model_loads(workspac
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [None, "deepspeed_zero2.yaml"], ids=["ddp", "zero2"])
-def test_sft_and_reward_model_stages_on_two_processes(workspace, engine):
-    """DDP (torchrun, gloo) and DeepSpeed ZeRO-2 (the supervised loop prepares no dataloader: the micro-batch and
-    the clipping reach DeepSpeed's config); ZeRO-3 runs them in tests/test_cpu_profiles.py's whole flow."""
+def test_sft_and_reward_model_stages_on_two_processes(workspace):
+    """DDP (torchrun, gloo). DeepSpeed runs them in the whole flows: ZeRO-3 in tests/test_cpu_profiles.py, ZeRO-2 in
+    tests/test_lora.py (the supervised loop prepares no dataloader: the micro-batch and the clipping reach
+    DeepSpeed's config)."""
     for name in ("prepare", "validate"):
         invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop(LAUNCHED_ENV, None)
-    launch = ["runtime.num_processes=2", *([f"runtime.accelerate_config=infra/accelerate/{engine}"]
-                                           if engine else [])]
-    args = [x for item in [*TINY, *launch] for x in ("--set", item)]
+    args = [x for item in [*TINY, "runtime.num_processes=2"] for x in ("--set", item)]
     for stage, model, metrics_file in (("sft", "sft", "sft"), ("reward-model", "reward", "reward")):
         proc = subprocess.run([RLHF, "stage", stage, *args], cwd=workspace, env=env, capture_output=True, text=True,
                               timeout=600)
@@ -174,7 +172,7 @@ def test_sft_and_reward_model_stages_on_two_processes(workspace, engine):
         assert json.loads((workspace / "reports" / "execution" / f"{stage}.json").read_text())["train_seconds"] > 0
         metrics = json.loads((workspace / "metrics" / f"{metrics_file}.json").read_text())
         assert "train_seconds" not in metrics
-        assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "DEEPSPEED" if engine else "MULTI_CPU")
+        assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "MULTI_CPU")
     client = get_client(workspace)
     experiments = [e.experiment_id for e in client.search_experiments()]
     for stage in ("sft", "reward-model"):

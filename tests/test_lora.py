@@ -212,17 +212,25 @@ def lora_flow_repo(tmp_path, mlflow_db_template):
 @pytest.mark.slow
 def test_cpu_zero2_lora_profile_runs_the_whole_flow_and_registers_a_version(lora_flow_repo):
     """`rlhf run --profile cpu-zero2-lora` as in a fresh clone (a temporary Prefect server, every stage through DVC),
-    the profile shrunk further to TINY: the model stages on 2 DeepSpeed ZeRO-2 ranks, the LoRA policy merged,
-    evaluated and registered with its adapter."""
+    the profile shrunk further to TINY: every model stage on 2 DeepSpeed ZeRO-2 ranks (sft and reward-model fully
+    fine-tuned), the LoRA policy merged, evaluated and registered with its adapter."""
     from mlflow import MlflowClient
+    from test_cpu_profiles import MODEL_METRICS  # (it imports this module: here, not at the top)
     from test_flow import base_env
 
     root = lora_flow_repo
     proc = subprocess.run([RLHF, "run", "--profile", LORA_PROFILE], cwd=root,
                           env=base_env(COLUMNS="200", OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    metrics = json.loads((root / "metrics" / "train.json").read_text())
-    assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "DEEPSPEED"), metrics
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    for stage, metrics_file in MODEL_METRICS.items():  # every model stage on both ZeRO-2 ranks, tracked once
+        metrics = json.loads((root / "metrics" / f"{metrics_file}.json").read_text())
+        assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "DEEPSPEED"), (stage, metrics)
+        assert len(client.search_runs(experiments, f"tags.`rlhf.stage` = '{stage}'")) == 1, stage
+    for stage in ("sft", "reward-model"):  # the supervised loop: DeepSpeed's micro-batch and clipping from ours
+        assert json.loads((root / "reports" / "execution" / f"{stage}.json").read_text())["train_seconds"] > 0
+        assert "train_seconds" not in json.loads((root / "metrics" / f"{MODEL_METRICS[stage]}.json").read_text())
     assert (root / "models" / "policy" / ADAPTER_DIR / "adapter_model.safetensors").is_file()
     profile = yaml.safe_load((REPO / "profiles" / f"{LORA_PROFILE}.yaml").read_text())["train"]
     moved = {n for n, w in policy_of(root).items()
@@ -230,7 +238,6 @@ def test_cpu_zero2_lora_profile_runs_the_whole_flow_and_registers_a_version(lora
     assert moved and {n.rsplit(".", 2)[-2] for n in moved} <= set(profile["lora_target_modules"]), sorted(moved)
     report = json.loads((root / "metrics" / "register.json").read_text())
     assert report["registered"] is True and report["version"] == 1, report
-    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     version = client.get_model_version("rlhf-policy", "1")
     assert version.tags["adapter"].endswith(f"/{ADAPTER_DIR}")
     artifacts = [a.path for a in client.list_artifacts(version.run_id, ADAPTER_DIR)]
