@@ -43,12 +43,11 @@ run: setup
 
 # Two pytest workers, one test file each at a time (pytest-xdist, --dist loadfile: a file's module fixtures, e.g.
 # its Prefect server or reproduced repo, are built once): most tests wait on subprocesses, servers and files for
-# much of their time, so two overlap on 2 cores. The files go out longest first (tests/conftest.py, LONGEST_FILES;
-# --no-loadscope-reorder keeps that order). PYTEST_WORKERS=0 runs them in this process, one after another.
+# much of their time, so two overlap on 2 cores. PYTEST_WORKERS=0 runs them in this process, one after another.
 PYTEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -m "not gpu and not server and not ui" -n $(PYTEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+	  --durations=15 $(PYTEST_ARGS)
 
 # On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
 test-gpu: setup

@@ -16,19 +16,6 @@ from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox
 
 TINY_VOCAB = 16
 TARGET_WORD = "w7"
-# The test files that take longest, longest first (seconds of test time in one `make test` on 2 cores, 2026-11-26,
-# from --junitxml): flow 433, sweep 412, lora 288, cpu_profiles 258, deepspeed 219, dvc 204, gpu_check 159,
-# launcher 143, resume 107, bench 92. With --dist loadfile a free worker takes the next file, so these go first and
-# the short files fill in at the end; xdist's own order (most tests first, `make test` turns it off) had left the
-# one-test GPU dry run to run alone at the end.
-LONGEST_FILES = ("test_flow.py", "test_sweep.py", "test_lora.py", "test_cpu_profiles.py", "test_deepspeed.py",
-                 "test_dvc.py", "test_gpu_check.py", "test_launcher.py", "test_resume.py", "test_bench.py")
-
-
-def pytest_collection_modifyitems(items):
-    """The longest files first (LONGEST_FILES), the rest after them as collected; each file's tests in order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
 
 
 @pytest.fixture(autouse=True)
