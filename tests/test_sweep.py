@@ -95,10 +95,6 @@ def test_without_a_gold_reward_there_is_no_fit_and_the_reward_model_decides():
 
 
 
-def _insets(ax) -> list:
-    return [child for child in ax.child_axes]
-
-
 def test_the_figure_zooms_onto_points_crowded_near_each_other_and_shows_the_budget_near_them():
     """The demo's turn is a few hundredths wide next to the reference's (0, 0): an inset zooms onto the points, each
     algorithm's joined in order of drift. Points spread over the panel need none."""
@@ -110,7 +106,7 @@ def test_the_figure_zooms_onto_points_crowded_near_each_other_and_shows_the_budg
     fig = frontier_figure(frontier(crowded, "win_rate_gold", 4.0, 0.01))
     gold_panel, rm_panel = fig.axes[:2]
     for panel, key in ((gold_panel, "gold_gain"), (rm_panel, "rm_gain")):
-        [zoom] = _insets(panel)
+        [zoom] = panel.child_axes
         values = [p["figures"]["mean_score_gold" if key == "gold_gain" else "mean_score_rm"] for p in crowded]
         low, high = zoom.get_ylim()
         assert low < min(values) and max(values) < high and high - low < 0.5 * (max(values) - 0), (low, high)
@@ -124,7 +120,7 @@ def test_the_figure_zooms_onto_points_crowded_near_each_other_and_shows_the_budg
 
     spread = [_point(["train.kl_coef=0.3"], "ppo", 0, 0.2, 0.5, 0.5), _point(["train.kl_coef=0.02"], "ppo", 0, 0.6, 1.5, 2.0)]
     fig = frontier_figure(frontier(spread, "win_rate_gold", 100.0))
-    assert not any(_insets(ax) for ax in fig.axes), "points spread over the panel need no zoom"
+    assert not any(ax.child_axes for ax in fig.axes), "points spread over the panel need no zoom"
     assert not any("KL budget" in label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]), \
         "a budget (sqrt 10) far beyond the farthest point (sqrt 2) would squash the frontier"
     plt.close(fig)
