@@ -24,9 +24,24 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test test-gpu test-server test-ui bench lint dvc-deps clean
+.PHONY: setup run test test-gpu test-server test-ui bench lint dvc-deps clean trl116
 
 setup: $(STAMP)
+
+# TRL 1.16.0 in its own venv, never a dependency of ours: tests/test_grpo.py runs its GRPO/RLOO loss there
+# (tests/trl116_side.py) on inputs ours computed, to check both updates agree. Our torch, transformers and
+# accelerate versions (torch first: the CPU wheel); rebuilt only when pyproject.toml changes.
+TRL116_VENV := .venv-trl116
+TRL116_STAMP := $(TRL116_VENV)/.installed
+trl116: $(TRL116_STAMP)
+$(TRL116_STAMP): pyproject.toml | $(STAMP)
+	test -x $(TRL116_VENV)/bin/python || $(PYTHON) -m venv $(TRL116_VENV)
+	$(TRL116_VENV)/bin/python -m pip install --quiet --no-compile "$(TORCH_SPEC)"
+	$(TRL116_VENV)/bin/python -m pip install --quiet --no-compile trl==1.16.0 \
+	  "transformers==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("transformers"))')" \
+	  "accelerate==$$($(BIN)/python -c 'from importlib.metadata import version; print(version("accelerate"))')" \
+	  "$(TORCH_SPEC)"
+	touch $(TRL116_STAMP)
 
 # Re-install only when the dependency list changes; a no-op when already set up.
 $(STAMP): pyproject.toml
@@ -45,7 +60,7 @@ run: setup
 # its Prefect server or reproduced repo, are built once): most tests wait on subprocesses, servers and files for
 # much of their time, so two overlap on 2 cores. PYTEST_WORKERS=0 runs them in this process, one after another.
 PYTEST_WORKERS ?= 2
-test: setup
+test: setup trl116
 	$(BIN)/python -m pytest -m "not gpu and not server and not ui" -n $(PYTEST_WORKERS) --dist loadfile \
 	  --durations=15 $(PYTEST_ARGS)
 

@@ -10,8 +10,8 @@ The RL batch hierarchy (after summarize_from_feedback_details / TRL), per update
                          `gradient_accumulation_steps` of them per process make a mini-batch
 
 so `batch_size = per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches *
-num_processes`. For RLOO an episode is one of the `rloo_k` completions of a prompt, so each update
-draws `batch_size / rloo_k` prompts. Derived sizes are computed in one place, `BatchPlan.derive`,
+num_processes`. For RLOO and GRPO an episode is one of the k completions of a prompt (`rloo.rloo_k`,
+`grpo.num_generations`), so each update draws `batch_size / k` prompts. Derived sizes are computed in one place, `BatchPlan.derive`,
 with exact divisions that fail loudly naming the fields.
 """
 
@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     TypeAdapter,
@@ -115,10 +116,50 @@ class RLOOOptions(_Frozen):
     """Standardize the advantages across the rollout batch."""
 
 
-class RLConfig(_Frozen):
-    """Everything the trainer needs, for both algorithms."""
+class GRPOOptions(_Frozen):
+    """What only GRPO uses, under TRL 1.16's GRPOConfig names and defaults (each also accepted unprefixed, as TRL
+    writes them: `train.loss_type` is `train.grpo.loss_type`)."""
 
-    algo: Literal["ppo", "rloo"] = "ppo"
+    num_generations: int = Field(8, ge=2)
+    """Completions sampled per prompt: the group whose reward statistics make each one's advantage."""
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = "dapo"
+    """How per-token losses are reduced (rlhf_core/grpo.py): 'grpo' mean of sequence means; 'bnpo' the
+    micro-batch's token mean; 'dr_grpo' token sum / (sequences * response_length); 'dapo' (TRL's default) the
+    token mean over the optimizer step; 'cispo' dapo's reduction of the clipped-weight REINFORCE loss (MiniMax-M1;
+    set epsilon_high, ~5)."""
+    scale_rewards: Annotated[Literal["group", "batch", "none"],
+                             BeforeValidator(lambda v: {True: "group", False: "none"}.get(v, v))] = "group"
+    """Divide the group-centered reward by the std of its group, of the whole batch, or not at all (Dr. GRPO);
+    TRL's true and false are group and none."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """One importance ratio per token, or per sequence (GSPO: exp of the mean token log-ratio)."""
+    delta: float | None = Field(None, gt=1.0)
+    """Two-sided clipping (INTELLECT-2): the unclipped ratio is also capped at delta (> 1 + epsilon_high)."""
+    top_entropy_quantile: float = Field(1.0, ge=0.0, le=1.0)
+    """Train only on the top quantile of a micro-batch's tokens by entropy (0.2 in "Beyond the 80/20 rule");
+    1.0 keeps all."""
+    use_bias_correction_kl: bool = True
+    """Weight the KL term of each token by its importance ratio (TRL 1.16's default): an unbiased estimate of the
+    current policy's KL from completions sampled by the old one."""
+
+
+GRPO_FIELDS = tuple(GRPOOptions.model_fields)
+
+# TRL 1.16 GRPOConfig options that change training and have no equivalent here: refused when set away from TRL's
+# default (the value beside each name), naming the key, so that none is silently ignored.
+TRL_GRPO_UNSUPPORTED: dict[str, object] = {
+    "multi_objective_aggregation": "sum_then_normalize", "sapo_temperature_neg": 1.05, "sapo_temperature_pos": 1.0,
+    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
+    "entropy_coef": 0.0, "use_adaptive_entropy": False, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
+    "entropy_coef_delta": 0.005, "entropy_target": 0.2, "off_policy_mask_threshold": None,
+    "max_tool_calling_iterations": None,
+}
+
+
+class RLConfig(_Frozen):
+    """Everything the trainer needs, for every algorithm."""
+
+    algo: Literal["ppo", "rloo", "grpo"] = "ppo"
     """Which policy-gradient estimator to use."""
     seed: int = 0
     """Seeds sampling, data order and initialization; with it a run is reproducible."""
@@ -169,7 +210,8 @@ class RLConfig(_Frozen):
 
     # objective
     kl_coef: float = Field(0.05, ge=0.0)
-    """Weight beta of the KL(policy || reference) penalty in the reward."""
+    """Weight beta of the KL(policy || reference) penalty in the reward (GRPO: of the k3 KL in the loss, 0 by
+    default as TRL's beta; at 0 no reference model is loaded)."""
     max_update_kl: float | None = Field(None, gt=0.0)
     """Stop training (`TrainingDiverged`) after an update whose mean KL(policy || reference) per completion
     (`objective/kl`) exceeds this, before it is checkpointed; None: no bound. NaN/inf in a loss, reward, gradient
@@ -216,11 +258,24 @@ class RLConfig(_Frozen):
 
     ppo: PPOOptions = PPOOptions()
     rloo: RLOOOptions = RLOOOptions()
+    grpo: GRPOOptions = GRPOOptions()
 
     @model_validator(mode="before")
     @classmethod
     def _trl_aliases(cls, data):
-        """TRL's current names (TRL_ALIASES): beta, epsilon, num_generations, max_completion_length."""
+        """TRL's current names (TRL_ALIASES): beta, epsilon, num_generations, max_completion_length; for GRPO also
+        GRPOConfig's own (loss_type, scale_rewards, ...), and its beta default 0. TRL GRPOConfig options we do
+        not implement are refused by name."""
+        if isinstance(data, Mapping) and data.get("algo") == "grpo":
+            data = dict(data)
+            for key, default in TRL_GRPO_UNSUPPORTED.items():
+                if key in data and data.pop(key) != default:
+                    raise ValueError(f"{key}: TRL's GRPOConfig option is not implemented here (only its default "
+                                     f"{default!r} is accepted); see docs/trl.md")
+            if not {"kl_coef", "beta"} & data.keys():
+                data["kl_coef"] = 0.0  # TRL GRPOConfig's beta
+            grpo_names = {name: f"grpo.{name}" for name in GRPO_FIELDS}
+            return resolve_aliases(cls, data, {**TRL_ALIASES, **grpo_names}, "TRL")
         return resolve_aliases(cls, data, TRL_ALIASES, "TRL")
 
     @model_validator(mode="before")
@@ -257,7 +312,15 @@ class RLConfig(_Frozen):
             raise ValueError("ppo.whiten_rewards with ppo.gamma=0 leaves nothing to whiten")
         if self.sync_ref_model and self.kl_coef == 0:
             raise ValueError("sync_ref_model with kl_coef=0: the reference is not used, there is nothing to sync")
+        if self.max_update_kl is not None and not self.uses_reference:
+            raise ValueError("max_update_kl with algo=grpo and kl_coef (beta) 0: no reference model is loaded, so "
+                             "there is no KL to bound; set kl_coef > 0 or max_update_kl null")
         return self
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a reference policy is loaded: GRPO's KL is in its loss, and with beta 0 it needs none (as TRL)."""
+        return self.algo != "grpo" or self.kl_coef > 0
 
     @property
     def steps_per_generation(self) -> int:
@@ -277,7 +340,7 @@ class RLConfig(_Frozen):
 
     @property
     def samples_per_prompt(self) -> int:
-        return self.rloo.rloo_k if self.algo == "rloo" else 1
+        return {"rloo": self.rloo.rloo_k, "grpo": self.grpo.num_generations}.get(self.algo, 1)
 
 
 class PeftOptions(_Frozen):
@@ -351,7 +414,8 @@ class BatchPlan:
         batch = local_batch * num_processes
         local_prompts = exact_div(
             local_batch, cfg.samples_per_prompt,
-            "per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches / rloo.rloo_k",
+            "per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches / "
+            + ("grpo.num_generations" if cfg.algo == "grpo" else "rloo.rloo_k"),
         )
         exact_div(local_batch, min(cfg.local_rollout_forward_batch_size, local_batch),
                   "local rollout batch / local_rollout_forward_batch_size")

@@ -61,9 +61,14 @@ def compute_advantages(batch: Rollout, cfg: RLConfig,
     return filled, stats
 
 
-def loss_units(batch: Rollout) -> Tensor:
+def loss_units(batch: Rollout, cfg: RLConfig | None = None) -> Tensor:
     """Units the loss averages over, per episode (B,): response tokens (none for an episode left out)."""
     return batch.loss_mask.sum(1)
+
+
+def needs_entropy(cfg: RLConfig) -> bool:
+    """Whether every training forward needs the per-token entropy: no, it is only logged (first epoch)."""
+    return False
 
 
 def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[str, Tensor]]:

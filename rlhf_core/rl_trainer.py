@@ -1,8 +1,8 @@
-"""The RL loop shared by PPO and RLOO: rollout → score → advantages → update → log.
+"""The RL loop shared by PPO, RLOO and GRPO: rollout → score → advantages → update → log.
 
-Each phase is a method whose temporaries die when it returns. The algorithm (ppo.py / rloo.py)
+Each phase is a method whose temporaries die when it returns. The algorithm (ppo.py / rloo.py / grpo.py)
 supplies only what differs: `compute_advantages`, `loss`, `loss_units` and whether a value model
-is trained. Distribution, mixed precision and DeepSpeed come from accelerate.
+is trained (GRPO also whether every forward needs the entropy). Distribution, mixed precision and DeepSpeed come from accelerate.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import get_scheduler
 
-from rlhf_core import ops, ppo, rloo
+from rlhf_core import grpo, ops, ppo, rloo
 from rlhf_core.batching import pad
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler, mini_batch_indices
@@ -45,9 +45,10 @@ from rlhf_core.rollout import (
 )
 from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed, modifiable, whole_weights, zero_stage
 from rlhf_core.scoring import Scorer, WeightedScorer
+from rlhf_core.threads import refit_threads
 from rlhf_core.tracking import NullTracker, Tracker
 
-ALGORITHMS = {"ppo": ppo, "rloo": rloo}
+ALGORITHMS = {"ppo": ppo, "rloo": rloo, "grpo": grpo}
 REFERENCE_FILE = "reference.safetensors"
 """In a checkpoint of a run with sync_ref_model: the reference as it has followed the policy."""
 logger = logging.getLogger(__name__)
@@ -111,10 +112,10 @@ class TrainerState:
 
 
 class RLTrainer:
-    """Trains `policy` against `scorer` with PPO or RLOO as `cfg.algo` says.
+    """Trains `policy` against `scorer` with PPO, RLOO or GRPO as `cfg.algo` says.
 
     prompts: tokenized prompts (no padding); the reference policy is a frozen copy of `policy`
-    unless given (or, for a PEFT policy, the base model with the adapter disabled).
+    unless given (or, for a PEFT policy, the base model with the adapter disabled); none for GRPO with beta 0.
     """
 
     def __init__(self, cfg: RLConfig, policy: nn.Module, scorer: Scorer, prompts: Sequence[Sequence[int]], *,
@@ -149,7 +150,7 @@ class RLTrainer:
         for model in (policy, value_model):
             if model is not None:
                 disable_dropout(model)  # dropout would make rollout and training log-probs disagree
-        self.ref_policy = self._frozen_reference(policy, ref_policy, device)
+        self.ref_policy = self._frozen_reference(policy, ref_policy, device) if cfg.uses_reference else None
         if cfg.sync_ref_model and self.ref_policy is None:
             raise ValueError("sync_ref_model needs a reference model of its own; with LoRA the reference is the "
                              "base model with the adapter off, which cannot follow the policy")
@@ -193,6 +194,7 @@ class RLTrainer:
         stop_at = self.plan.num_updates if max_updates is None else min(self.plan.num_updates,
                                                                          self.state.update + max_updates)
         while self.state.update < stop_at:
+            refit_threads()  # another torch process may have started beside this one (rlhf_core/threads.py)
             metrics = MetricAccumulator()
             with metrics.timer("time/rollout_s"):
                 batch = self.rollout(self.sampler.next_indices())
@@ -255,7 +257,9 @@ class RLTrainer:
             logprobs = self._logprobs(model.policy, parts, share_prompts=self.share_prompts)
         else:  # read at the sampling steps: the forward the training step would repeat, saved
             logprobs = sampled_logprobs * response_mask
-        if self.ref_policy is None:
+        if not cfg.uses_reference:
+            ref_logprobs = None
+        elif self.ref_policy is None:
             with model.policy.disable_adapter():
                 ref_logprobs = self._logprobs(model.policy, parts, share_prompts=True)
         else:
@@ -331,7 +335,8 @@ class RLTrainer:
         exact mini-batch mean whatever the micro-batch x accumulation x process split.
         """
         cfg, plan, acc = self.cfg, self.plan, self.accelerator
-        units = self.algo.loss_units(batch).float()  # (B,)
+        units = self.algo.loss_units(batch, cfg).float()  # (B,)
+        every_entropy = self.algo.needs_entropy(cfg)  # else measured in the first epoch only (a logged statistic)
         generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.state.update)
         self.model.train()
         optimizer_steps = self.state.update * cfg.num_epochs * cfg.num_mini_batches  # before this update
@@ -348,7 +353,8 @@ class RLTrainer:
                         # the entropy is logged, never trained on: the first epoch's pass over the whole batch
                         # measures it (a full-vocabulary pass per micro-batch, ~5 % of a CPU PPO update per epoch)
                         out = self.model(mb.queries, mb.query_mask, mb.responses, mb.response_mask,
-                                         cfg.temperature, self.share_prompts, with_entropy=epoch == 0)
+                                         cfg.temperature, self.share_prompts,
+                                         with_entropy=epoch == 0 or every_entropy)
                         loss, stats = self.algo.loss(out, mb, cfg)
                         share = units[micro].sum() * averaged_over(acc)  # the micro-batch's units, times
                         acc.backward(loss * share / mini_units)  # what accelerate and DDP average over
@@ -367,7 +373,8 @@ class RLTrainer:
     def log(self, batch: Rollout, episode_stats: dict[str, Tensor], metrics: MetricAccumulator, *,
             elapsed: float, episodes: int) -> dict[str, float]:
         """Reduce this update's metrics across processes (one collective) and hand them to the tracker."""
-        metrics.add_mean("objective/kl", episode_stats["kl"])
+        if "kl" in episode_stats:  # GRPO with beta 0 has no reference
+            metrics.add_mean("objective/kl", episode_stats["kl"])
         metrics.add_mean("objective/entropy", -batch.logprobs.sum(1))  # sampled-token estimate, as TRL
         metrics.add_mean("objective/non_score_reward", episode_stats["non_score_reward"])
         metrics.add_mean("objective/rlhf_reward", episode_stats["rlhf_reward"])

@@ -35,7 +35,7 @@ class Rollout:
     responses: Tensor  # (B, R) ids truncated after the stop token, pad after
     response_mask: Tensor  # (B, R) bool, True on response tokens up to and including the stop token
     logprobs: Tensor  # (B, R) policy log-probs at sampling time (temperature-scaled), 0 on padding
-    ref_logprobs: Tensor  # (B, R) reference-policy log-probs, 0 on padding
+    ref_logprobs: Tensor | None  # (B, R) reference-policy log-probs, 0 on padding; None: no reference (GRPO, beta 0)
     contains_stop: Tensor  # (B,) bool, the completion emitted the stop token
     values: Tensor | None = None  # (B, R) value estimates at sampling time (PPO), 0 on padding
     scores: Tensor | None = None  # (B,) reward of each completion, penalties included

@@ -31,11 +31,12 @@ TOKEN_QUANTITIES = ("logprob", "ref_logprob", "kl", "kl_penalty", "score", "rewa
 def token_columns(batch: Rollout, cfg: RLConfig) -> dict[str, Tensor]:
     """Each per-token quantity the update used, (n, R), for the rollouts in `batch`."""
     mask = batch.response_mask
-    kl = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * mask  # (n, R)
-    columns = {"logprob": batch.logprobs, "ref_logprob": batch.ref_logprobs, "kl": kl,
-               "kl_penalty": -cfg.kl_coef * kl}
+    columns = {"logprob": batch.logprobs}
+    if batch.ref_logprobs is not None:  # None: GRPO with beta 0 loads no reference
+        kl = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * mask  # (n, R)
+        columns.update(ref_logprob=batch.ref_logprobs, kl=kl, kl_penalty=-cfg.kl_coef * kl)
     if batch.rewards is not None:  # PPO and token-level RLOO place the score on a token
-        score = torch.zeros_like(kl)
+        score = torch.zeros_like(batch.logprobs)
         score[torch.arange(len(batch)), ppo.score_positions(batch)] = batch.scores
         columns.update(score=score, reward=batch.rewards)
     if batch.values is not None:
@@ -60,9 +61,11 @@ def rollout_summary(batch: Rollout, stats: dict[str, Tensor], cfg: RLConfig, row
            "score": float(batch.scores[row]),
            "missing_eos_penalty": cfg.missing_eos_penalty if missing_eos else 0.0,
            "score_position": int(ppo.score_positions(batch)[row]) if batch.rewards is not None else None,
-           "kl_sum": float(stats["kl"][row]),
+           "kl_sum": float(stats["kl"][row]) if "kl" in stats else None,
            "non_score_reward": float(stats["non_score_reward"][row]),
            "rlhf_reward": float(stats["rlhf_reward"][row])}
+    if cfg.algo == "grpo":
+        out.update(prompt_group=row // cfg.grpo.num_generations, advantage=float(batch.advantages[row, 0]))
     if cfg.algo == "rloo":
         out.update(prompt_group=row // cfg.rloo.rloo_k, sequence_reward=float(stats["rloo/reward"][row]),
                    baseline=float(stats["rloo/baseline"][row]))

@@ -152,8 +152,9 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     gold = gold_fn(params)  # the demo world's true reward, logged as monitor/gold beside the proxy's score
     trainer = RLTrainer(cfg, policy, scorer, prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
-                        # LoRA: no copy; the reference is the policy with its adapter off
-                        ref_policy=None if lora else runtime.load_frozen(load_policy, paths.sft_model),
+                        # LoRA: no copy, the reference is the policy with its adapter off; GRPO with beta 0: none
+                        ref_policy=None if lora or not cfg.uses_reference
+                        else runtime.load_frozen(load_policy, paths.sft_model),
                         accelerator=runtime.accelerator,
                         monitors={"gold": GoldScorer(gold, tokenizer)} if gold is not None else None, **hooks)
     return trainer, tokenizer

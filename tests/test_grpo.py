@@ -1,0 +1,312 @@
+"""GRPO (rlhf_core/grpo.py): its pure functions against naive loops, its config under TRL 1.16's names, a short run of
+the trainer, and the update equal to TRL 1.16.0's GRPOTrainer (and RLOO to its RLOOTrainer) on identical inputs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import target_fraction
+from rlhf_core import grpo, ops, rloo
+from rlhf_core.config import RLConfig
+from rlhf_core.rl_trainer import PolicyAndValue, RLTrainer
+from rlhf_core.rollout import Rollout, response_logits
+from rlhf_core.scoring import FunctionScorer
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL116_PYTHON = ROOT / ".venv-trl116" / "bin" / "python"
+
+
+# ------------------------------------------------------------------------------------------- pure functions
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_a_loop(scale):
+    rewards = torch.tensor([1.0, 2.0, 4.0, 0.5, 3.0, 3.0, 3.0, 3.0])  # two groups of 4; the second has std 0
+    out = grpo.group_advantages(rewards, 4, scale)
+    all_mean = sum(rewards.tolist()) / 8
+    batch_std = math.sqrt(sum((r - all_mean) ** 2 for r in rewards.tolist()) / 7)
+    for i, r in enumerate(rewards.tolist()):
+        group = rewards[i // 4 * 4:i // 4 * 4 + 4].tolist()
+        mean = sum(group) / 4
+        std = math.sqrt(sum((g - mean) ** 2 for g in group) / 3)  # Bessel, as TRL's nanstd
+        expected = r - mean if scale == "none" else (r - mean) / ({"group": std, "batch": batch_std}[scale] + 1e-4)
+        assert out[i].item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert torch.all(out[4:] == 0), "a group of equal rewards has no advantage"
+
+
+def _naive_per_token(logp, old, adv, mask, level, loss_type, eps_low, eps_high, delta):
+    """One token at a time: the importance weight, then the clipped (or CISPO) loss."""
+    B, R = logp.shape
+    out = torch.zeros(B, R)
+    for b in range(B):
+        n = max(float(mask[b].sum()), 1.0)
+        seq_w = math.exp(sum(float(logp[b, t] - old[b, t]) for t in range(R) if mask[b, t]) / n)
+        for t in range(R):
+            w = seq_w if level == "sequence" else math.exp(float(logp[b, t] - old[b, t]))
+            a = float(adv[b, 0])
+            if loss_type == "cispo":
+                out[b, t] = -min(w, eps_high) * a * float(logp[b, t])
+            else:
+                clipped = min(max(w, 1 - eps_low), 1 + eps_high)
+                unclipped = w if delta is None else min(w, delta)
+                out[b, t] = -min(unclipped * a, clipped * a)
+    return out
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo"])
+@pytest.mark.parametrize("delta", [None, 1.3])
+def test_per_token_losses_match_a_loop(level, loss_type, delta):
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 5, generator=g) * 3
+    old = logp + 0.3 * torch.randn(4, 5, generator=g)
+    adv = torch.randn(4, 1, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    weights = grpo.importance_weights(logp, old, mask, level)
+    assert weights.shape == ((4, 1) if level == "sequence" else (4, 5))
+    if loss_type == "cispo":
+        per_token = grpo.cispo_token_loss(weights, adv, logp, 1.2)
+    else:
+        per_token = grpo.clipped_token_loss(weights, adv, 0.2, 0.28, delta)
+    expected = _naive_per_token(logp, old, adv, mask, level, loss_type, 0.2, 1.2 if loss_type == "cispo" else 0.28,
+                                delta)
+    torch.testing.assert_close(per_token.expand(4, 5) * mask, expected * mask, rtol=1e-5, atol=1e-6)
+
+
+def test_reductions_match_a_loop():
+    g = torch.Generator().manual_seed(1)
+    per_token = torch.randn(3, 4, generator=g)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    rows = [[float(per_token[b, t]) for t in range(4) if mask[b, t]] for b in range(3)]
+    tokens = [x for row in rows for x in row]
+    expected = {"grpo": sum(sum(r) / max(len(r), 1) for r in rows) / 3,
+                "bnpo": sum(tokens) / len(tokens), "dapo": sum(tokens) / len(tokens),
+                "dr_grpo": sum(tokens) / (3 * 7)}
+    for loss_type, value in expected.items():
+        assert grpo.reduce_loss(per_token, mask, loss_type, 7).item() == pytest.approx(value, rel=1e-6)
+
+
+def test_high_entropy_mask_keeps_the_top_quantile():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.8]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    kept = grpo.high_entropy_mask(entropy, mask, 0.5)
+    masked = sorted(entropy[mask].tolist())
+    threshold = torch.quantile(torch.tensor(masked), 0.5).item()
+    assert kept.tolist() == [[e >= threshold and m for e, m in zip(er, mr, strict=True)]
+                             for er, mr in zip(entropy.tolist(), mask.tolist(), strict=True)]
+    assert not kept[0, 3], "a padding token never enters, whatever its entropy"
+    assert grpo.high_entropy_mask(entropy, mask, 1.0).equal(mask)
+
+
+# ------------------------------------------------------------------------------------------- config
+
+def test_config_takes_trl_grpo_names_and_defaults():
+    cfg = RLConfig(algo="grpo", loss_type="bnpo", importance_sampling_level="sequence", scale_rewards=False,
+                   num_generations=4, delta=2.0, top_entropy_quantile=0.2)
+    assert (cfg.grpo.loss_type, cfg.grpo.importance_sampling_level, cfg.grpo.scale_rewards) == \
+        ("bnpo", "sequence", "none")
+    assert (cfg.samples_per_prompt, cfg.grpo.delta, cfg.grpo.top_entropy_quantile) == (4, 2.0, 0.2)
+    default = RLConfig(algo="grpo")
+    assert (default.kl_coef, default.grpo.loss_type, default.grpo.num_generations, default.grpo.scale_rewards) == \
+        (0.0, "dapo", 8, "group"), "TRL 1.16 GRPOConfig's defaults: beta 0, dapo, 8 generations, group scaling"
+    assert not default.uses_reference and RLConfig(algo="grpo", beta=0.04).uses_reference
+    assert RLConfig(algo="rloo", num_generations=4).rloo.rloo_k == 4, "num_generations stays RLOO's k for RLOO"
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("entropy_coef", 0.01, "entropy_coef: TRL's GRPOConfig option is not implemented"),
+    ("multi_objective_aggregation", "normalize_then_sum", "multi_objective_aggregation: TRL's GRPOConfig"),
+    ("loss_type", "sapo", "loss_type"),
+    ("sapo_temperature_neg", 2.0, "sapo_temperature_neg"),
+])
+def test_config_refuses_what_it_does_not_implement_by_name(key, value, match):
+    with pytest.raises(ValueError, match=match):
+        RLConfig(algo="grpo", **{key: value})
+    RLConfig(algo="grpo", multi_objective_aggregation="sum_then_normalize")  # TRL's default is what we do
+    with pytest.raises(ValueError, match="max_update_kl"):
+        RLConfig(algo="grpo", max_update_kl=3.0)  # no reference, no KL to bound
+
+
+# ------------------------------------------------------------------------------------------- the trainer
+
+def _tiny(**overrides) -> RLConfig:
+    base = dict(algo="grpo", total_episodes=32 * 20, per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                num_epochs=1, local_rollout_forward_batch_size=32, response_length=8, temperature=1.0,
+                stop_token=None, missing_eos_penalty=None, learning_rate=3e-3, lr_scheduler="constant",
+                num_generations=4)
+    return RLConfig(**{**base, **overrides})
+
+
+def test_trainer_learns_with_grpo_and_loads_no_reference_at_beta_0(tokenizer, prompts, make_policy):
+    trainer = RLTrainer(_tiny(), make_policy(0), FunctionScorer(target_fraction, tokenizer), prompts,
+                        pad_token_id=0, stop_token_id=1)
+    assert trainer.ref_policy is None, "beta 0: no reference model, as TRL"
+    history = trainer.train()
+    first = sum(h["objective/scores"] for h in history[:3]) / 3
+    last = sum(h["objective/scores"] for h in history[-3:]) / 3
+    assert last > first + 0.25, f"grpo did not learn: mean score {first:.3f} -> {last:.3f}"
+    assert "objective/kl" not in history[-1] and "clip_ratio/region_mean" in history[-1]
+
+
+def test_trainer_with_beta_sequence_level_and_entropy_mask(tokenizer, prompts, make_policy):
+    cfg = _tiny(total_episodes=64, beta=0.05, num_epochs=2, importance_sampling_level="sequence",
+                loss_type="grpo", top_entropy_quantile=0.5, mask_truncated_completions=True,
+                stop_token="eos", response_length=4)
+    trainer = RLTrainer(cfg, make_policy(0), FunctionScorer(target_fraction, tokenizer), prompts,
+                        pad_token_id=0, stop_token_id=1)
+    assert trainer.ref_policy is not None
+    history = trainer.train()
+    assert len(history) == 2 and all(math.isfinite(h["loss/policy_avg"]) for h in history)
+    assert "objective/kl" in history[-1] and history[-1]["kl"] > 0, "the loss's k3 KL is logged as TRL's kl"
+
+
+# ------------------------------------------------------------------------------------------- TRL 1.16.0 equality
+
+N_PROMPTS, K, P, R, TEMPERATURE = 4, 4, 5, 6, 0.9
+
+
+def _episodes(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts (B, P) of one length (k copies each), completions (B, R) padded after EOS, their mask, rewards."""
+    g = torch.Generator().manual_seed(3)
+    queries = torch.randint(2, vocab, (N_PROMPTS, P), generator=g).repeat_interleave(K, 0)  # (B, P)
+    responses = torch.randint(2, vocab, (N_PROMPTS * K, R), generator=g)
+    stops = torch.tensor([1, 3, R - 1, -1] * N_PROMPTS)  # where EOS lands; -1: truncated, never stops
+    for row, stop in enumerate(stops.tolist()):
+        if stop >= 0:
+            responses[row, stop] = 1
+            responses[row, stop + 1:] = 0
+    mask = torch.arange(R)[None, :] <= torch.where(stops < 0, R, stops)[:, None]  # (B, R) up to EOS
+    rewards = torch.randn(N_PROMPTS * K, generator=g)
+    rewards[K:2 * K] = 0.5  # a group of equal rewards: std 0
+    return queries, responses, mask, rewards
+
+
+def _logprobs(model, queries, responses, mask, share=False) -> torch.Tensor:
+    logits = response_logits(model, (queries, torch.ones_like(queries, dtype=torch.bool), responses, mask),
+                             TEMPERATURE, share_prompts=share)
+    return ops.selective_log_softmax(logits, responses) * mask
+
+
+def _run_trl(tmp_path: Path, case: dict) -> dict:
+    if not TRL116_PYTHON.exists():
+        pytest.fail(f"{TRL116_PYTHON} is missing: `make trl116` builds TRL 1.16.0's venv (make test does)")
+    torch.save(case, tmp_path / "case.pt")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    done = subprocess.run([str(TRL116_PYTHON), str(ROOT / "tests" / "trl116_side.py"), str(tmp_path / "case.pt"),
+                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
+def _assert_grads_close(ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor], label: str) -> dict:
+    assert set(ours) == set(trl), f"{label}: parameters differ"
+    worst_abs = max((ours[k] - trl[k]).abs().max().item() for k in ours)
+    scale = max(trl[k].abs().max().item() for k in trl)
+    assert scale > 0, f"{label}: TRL's gradient is zero; the check would be empty"
+    for name in ours:
+        torch.testing.assert_close(ours[name], trl[name], rtol=1e-4, atol=1e-5 * scale, msg=f"{label}: {name}")
+    return {"max_abs": worst_abs, "max_rel": worst_abs / scale}
+
+
+@pytest.fixture(scope="module")
+def trl_world(tmp_path_factory, tiny_config):
+    """The reference saved where TRL loads it from, and the policy moved away from it (so the KL is not 0)."""
+    from rlhf_core.bench import word_tokenizer
+    from rlhf_core.models import init_causal_lm
+
+    model_dir = tmp_path_factory.mktemp("trl116") / "policy"
+    ref = init_causal_lm(tiny_config, seed=0)
+    ref.save_pretrained(model_dir, safe_serialization=True)
+    word_tokenizer(tiny_config.vocab_size).save_pretrained(model_dir)
+    policy = init_causal_lm(tiny_config, seed=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model_dir, ref.eval(), policy
+
+
+GRPO_CASES = [(loss_type, level) for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
+              for level in ("token", "sequence")]
+
+
+@pytest.mark.parametrize("loss_type, level", GRPO_CASES)
+def test_grpo_update_equals_trl_1_16(loss_type, level, trl_world, tmp_path):
+    """One update's loss and gradients equal TRL 1.16.0's on the same weights, completions, rewards and old
+    log-probs (fp32 CPU), with beta, clip-higher, delta, truncated completions masked and the entropy mask on."""
+    model_dir, ref, policy = trl_world
+    queries, responses, mask, rewards = _episodes(policy.config.vocab_size)
+    options = dict(loss_type=loss_type, importance_sampling_level=level, scale_rewards="group", delta=1.25,
+                   top_entropy_quantile=0.6)
+    eps_high = 1.5 if loss_type == "cispo" else 0.28
+    cfg = RLConfig(algo="grpo", beta=0.1, epsilon=0.2, epsilon_high=eps_high, mask_truncated_completions=True,
+                   num_generations=K, response_length=R, temperature=TEMPERATURE, total_episodes=len(queries),
+                   per_device_train_batch_size=len(queries), gradient_accumulation_steps=1,
+                   local_rollout_forward_batch_size=len(queries), **options)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        old = (_logprobs(policy, queries, responses, mask) + 0.2 * torch.randn(mask.shape, generator=g)) * mask
+        ref_logprobs = _logprobs(ref, queries, responses, mask)
+    contains_stop = responses.eq(1).any(1)
+    batch = Rollout(queries=queries, query_mask=torch.ones_like(queries, dtype=torch.bool), responses=responses,
+                    response_mask=mask, logprobs=old, ref_logprobs=ref_logprobs, contains_stop=contains_stop,
+                    scores=rewards, in_loss=contains_stop)
+    batch, _ = grpo.compute_advantages(batch, cfg)
+    model = PolicyAndValue(policy)
+    policy.zero_grad()
+    out = model(queries, batch.query_mask, responses, mask, TEMPERATURE, share_prompts=True, with_entropy=True)
+    loss, stats = grpo.loss(out, batch, cfg)
+    loss.backward()
+    ours = {name: p.grad.detach().clone() for name, p in policy.named_parameters() if p.grad is not None}
+    assert stats["clip_ratio/region_mean" if loss_type != "cispo" else "cispo_clip_ratio"] > 0, \
+        "the case must clip somewhere"
+
+    trl = _run_trl(tmp_path, {
+        "algo": "grpo", "model_dir": str(model_dir), "policy_state": policy.state_dict(),
+        "prompt_ids": queries.tolist(), "rewards": rewards,
+        "completion_ids": [row[:int(n)].tolist() for row, n in zip(responses, mask.sum(1), strict=True)],
+        "old_logprobs": old,
+        "config": dict(num_generations=K, max_completion_length=R, temperature=TEMPERATURE, beta=0.1, epsilon=0.2,
+                       epsilon_high=eps_high, mask_truncated_completions=True, gradient_checkpointing=False,
+                       **options)})
+    torch.testing.assert_close(batch.advantages, trl["advantages"][:, None], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref_logprobs, trl["ref_per_token_logps"] * mask, rtol=1e-5, atol=1e-5)
+    assert loss.item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-7)
+    figures = _assert_grads_close(ours, trl["grads"], f"{loss_type}/{level}")
+    print(f"grpo {loss_type}/{level}: loss {loss.item():.6g} vs {trl['loss'].item():.6g}, grads {figures}")
+
+
+def test_rloo_update_equals_trl_1_16(trl_world, tmp_path):
+    """RLOO (TRL's sequence-level KL in the reward, summed-log-prob ratio) against TRL 1.16.0's RLOOTrainer."""
+    model_dir, ref, policy = trl_world
+    queries, responses, mask, rewards = _episodes(policy.config.vocab_size)
+    cfg = RLConfig(algo="rloo", beta=0.1, epsilon=0.2, num_generations=K, response_length=R, kl_estimator="k1",
+                   temperature=TEMPERATURE, total_episodes=len(queries), per_device_train_batch_size=len(queries),
+                   gradient_accumulation_steps=1, local_rollout_forward_batch_size=len(queries), num_epochs=1)
+    with torch.no_grad():
+        old = _logprobs(policy, queries, responses, mask, share=True)
+        ref_logprobs = _logprobs(ref, queries, responses, mask)
+    batch = Rollout(queries=queries, query_mask=torch.ones_like(queries, dtype=torch.bool), responses=responses,
+                    response_mask=mask, logprobs=old, ref_logprobs=ref_logprobs,
+                    contains_stop=responses.eq(1).any(1), scores=rewards)
+    batch, _ = rloo.compute_advantages(batch, cfg)
+    policy.zero_grad()
+    out = PolicyAndValue(policy)(queries, batch.query_mask, responses, mask, TEMPERATURE, share_prompts=True)
+    loss, _ = rloo.loss(out, batch, cfg)
+    loss.backward()
+    ours = {name: p.grad.detach().clone() for name, p in policy.named_parameters() if p.grad is not None}
+    trl = _run_trl(tmp_path, {
+        "algo": "rloo", "model_dir": str(model_dir), "policy_state": policy.state_dict(),
+        "prompt_ids": queries.tolist(), "rewards": rewards,
+        "completion_ids": [row[:int(n)].tolist() for row, n in zip(responses, mask.sum(1), strict=True)],
+        "config": dict(num_generations=K, max_completion_length=R, temperature=TEMPERATURE, beta=0.1, epsilon=0.2,
+                       gradient_checkpointing=False)})
+    torch.testing.assert_close(batch.advantages.view(-1), trl["advantages"].view(-1), rtol=1e-5, atol=1e-5)
+    assert loss.item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-6)
+    print(f"rloo: loss {loss.item():.6g} vs {trl['loss'].item():.6g}, grads "
+          f"{_assert_grads_close(ours, trl['grads'], 'rloo')}")

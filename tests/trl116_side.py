@@ -1,0 +1,75 @@
+"""TRL 1.16.0's side of tests/test_grpo.py's equality checks; runs in .venv-trl116 (`make trl116`), never in ours.
+
+    python tests/trl116_side.py CASE.pt OUT.pt
+
+CASE.pt (written by the test): the algorithm ("grpo" or "rloo"), the TRL config's keyword arguments, a policy
+directory (the reference loads from it, as TRL's does) with the policy's current state dict, the prompt and
+completion ids of every episode (prompt-major, k per prompt), each completion's reward, and the old log-probs to
+force (the rollout's). The completions go through TRL's own `_generate_and_score_completions` (its `_generate`
+replaced by one returning them; the reward function returns the given rewards), then `_compute_loss` and a
+backward. OUT.pt: TRL's inputs to the loss (advantages, masks, reference log-probs), the loss and every gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+
+def main(case_path: str, out_path: str) -> None:
+    case = torch.load(case_path, weights_only=False)
+    assert trl.__version__ == "1.16.0", trl.__version__
+    torch.manual_seed(0)
+    algo, prompts, completions = case["algo"], case["prompt_ids"], case["completion_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(case["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(case["model_dir"], dtype=torch.float32)
+    model.load_state_dict(case["policy_state"])  # the policy has moved from the reference (saved in model_dir)
+    rewards = case["rewards"]
+
+    def reward(completions, index, **kwargs):
+        return [float(rewards[i]) for i in index]
+
+    rows = [{"prompt": f"p{i}", "index": i} for i in range(len(prompts))]
+    config_cls, trainer_cls = ((trl.GRPOConfig, trl.GRPOTrainer) if algo == "grpo"
+                               else (trl.RLOOConfig, trl.RLOOTrainer))
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = config_cls(output_dir=out_dir, per_device_train_batch_size=len(prompts), gradient_accumulation_steps=1,
+                          use_cpu=True, bf16=False, report_to=[], disable_dropout=True, seed=0,
+                          **case["config"])
+        trainer = trainer_cls(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list(rows))
+
+        def forced_generate(_prompts):
+            text = tokenizer.batch_decode(completions)
+            if algo == "rloo":
+                return prompts, completions, text
+            return prompts, completions, None, text, None, {}, None, None
+
+        trainer._generate = forced_generate
+        trainer.model.train()
+        inputs = trainer._generate_and_score_completions(rows)
+        old = case.get("old_logprobs")
+        if old is not None:  # the rollout's log-probs, forced (TRL recomputes them only when it reuses a generation)
+            if algo == "grpo":
+                inputs["old_per_token_logps"] = old
+            else:
+                inputs["old_logps"] = (old * inputs["completion_mask"]).sum(1)
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        grads = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    keep = ("advantages", "completion_mask", "ref_per_token_logps", "old_per_token_logps", "num_items_in_batch")
+    torch.save({"loss": loss.detach(), "grads": grads,
+                **{k: v.detach() for k, v in inputs.items() if k in keep and isinstance(v, torch.Tensor)}}, out_path)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
