@@ -49,7 +49,9 @@ def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to 
           ) -> None:
     """Throughput of the trainer on the fixed bench-tiny world (see rlhf_core/bench.py)."""
     from rlhf_core.bench import run_bench
+    from rlhf_core.threads import fit_threads
 
+    fit_threads()
     result = run_bench(algo.value, updates)
     if as_json:
         typer.echo(json.dumps(result))

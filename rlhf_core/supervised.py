@@ -23,6 +23,7 @@ from transformers import get_scheduler
 from rlhf_core.config import SupervisedConfig
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed
+from rlhf_core.threads import refit_threads
 
 # Mini-batches whose rows are sorted by length together: enough to group lengths, few enough to stay random.
 LENGTH_WINDOW = 64
@@ -143,6 +144,7 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Se
         model.train()
         loader = DataLoader(examples, batch_sampler=batch_plan[epoch], collate_fn=collate)
         for micro_batches in _grouped(iter(loader), cfg.gradient_accumulation_steps):
+            refit_threads()  # another torch process may have started beside this one (rlhf_core/threads.py)
             _optimizer_step(acc, model, optimizer, scheduler, micro_batches, losses_fn, units_fn, cfg,
                             metrics)
             step += 1

@@ -13,6 +13,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from rlhf_core.bench import word_tokenizer  # noqa: E402
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config  # noqa: E402
+from rlhf_core.threads import fit_threads, share_cores_with  # noqa: E402
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker, and every stage process its tests start, takes its share of the cores: two
+    workers at torch's default thread count ran together at x0.57 of one (rlhf_core/threads.py)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and os.environ.get("PYTEST_XDIST_WORKER"):
+        share_cores_with(int(workers))
+    else:
+        fit_threads()
+
 
 TINY_VOCAB = 16
 TARGET_WORD = "w7"

@@ -15,7 +15,7 @@ from typing import Any
 from rlhf_core.jsonio import write_json
 from tasks.common.paths import Paths
 
-EXECUTION_KEYS = frozenset({"eps", "train_seconds", "stage_seconds", "resumed_from_update"})
+EXECUTION_KEYS = frozenset({"eps", "train_seconds", "stage_seconds", "resumed_from_update", "threads"})
 EXECUTION_PREFIXES = ("time/", "gpu/")
 
 

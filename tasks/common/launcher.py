@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from rlhf_core.config import RuntimeConfig
+from rlhf_core.threads import env_for_children
 
 LAUNCHED_ENV = "RLHF_LAUNCHED"
 # the stages that run a model, all under the runtime's launch: sft, reward-model and train train on every rank;
@@ -74,7 +75,8 @@ def run_launched(command: list[str], runtime: RuntimeConfig) -> int:
     terminate the whole group (no orphan rank), then re-raise."""
     from rlhf_core.runtime import device_of
 
-    env = {**os.environ, LAUNCHED_ENV: "1"}
+    # the ranks share this machine's cores: each takes its share (torchrun alone would give each one thread)
+    env = {**env_for_children(runtime.num_processes), LAUNCHED_ENV: "1"}
     if device_of(runtime) == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on the CPU (a test, a laptop) must not probe for CUDA
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

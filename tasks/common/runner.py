@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlhf_core.threads import fit_threads
 from tasks.common.execution import write_execution
 from tasks.common.launcher import LAUNCHED_ENV, is_main_process
 from tasks.common.params import load_params
@@ -34,13 +35,14 @@ def check_stage_name(name: str) -> None:
 
 def run_stage(name: str, root: str | Path = ".", profile: str | None = None, overrides: Sequence[str] = ()) -> dict:
     check_stage_name(name)
+    threads = fit_threads()  # before any torch work: this stage's share of the cores (rlhf_core/threads.py)
     params = load_params(root, profile, list(overrides))
     module = importlib.import_module(STAGES[name])
 
     def work() -> dict:
         start = time.perf_counter()
         paths = Paths.at(root)
-        metrics = {**module.run(params, paths), "stage_seconds": time.perf_counter() - start}
+        metrics = {**module.run(params, paths), "stage_seconds": time.perf_counter() - start, "threads": threads}
         if is_main_process():  # seconds and the like: printed, in MLflow, in reports/execution/, never in DVC's outputs
             write_execution(paths, name, metrics)
         return metrics
