@@ -100,6 +100,20 @@ runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
 """
 
 
+def create_app_with_ui():
+    """Prefect's temporary server with its UI: the app of an ephemeral server (only the services a run needs: no
+    scheduler, no late-run marking), where Prefect mounts an empty UI, given the UI that `prefect server start`
+    serves, so that the "View at http://127.0.0.1:<port>/runs/flow-run/<id>" link Prefect prints answers while
+    the run runs. Its uvicorn factory (`_start_server`); PREFECT_UI_API_URL tells the UI this server's port."""
+    from prefect.server.api.server import create_app, create_ui_app
+    from starlette.routing import Mount
+
+    app = create_app(ephemeral=True, final=True)
+    (ui,) = [i for i, route in enumerate(app.router.routes) if getattr(route, "name", None) == "ui"]
+    app.router.routes[ui] = Mount("/", app=create_ui_app(ephemeral=False), name="ui")
+    return app
+
+
 def _start_server(meanwhile: Callable[[], object] = lambda: None) -> tuple[str, subprocess.Popen]:
     """The uvicorn command of Prefect's temporary server (prefect/server/api/server.py, SubprocessASGIServer
     in Prefect 3.8), in a new session, exiting when this process does; runs `meanwhile`, then returns its API
@@ -110,12 +124,13 @@ def _start_server(meanwhile: Callable[[], object] = lambda: None) -> tuple[str, 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    url = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_UI_ENABLED": "1", "PREFECT_UI_API_URL": url, "PREFECT__SERVER_EPHEMERAL": "1",
+           "PREFECT__SERVER_FINAL": "1"}
     server = subprocess.Popen(
         [sys.executable, "-c", _UVICORN_WHILE_PARENT_LIVES, "--app-dir", str(Path(prefect.__file__).parent.parent), "--factory",
-         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level",
+         f"{__name__}:{create_app_with_ui.__name__}", "--host", "127.0.0.1", "--port", str(port), "--log-level",
          "error", "--lifespan", "on"], env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + float(os.environ.get(STARTUP_TIMEOUT_ENV, "120"))
     try:
         meanwhile()

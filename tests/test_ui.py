@@ -558,3 +558,20 @@ def test_cancel_from_the_ui_shows_cancelled_without_an_error(world, custom_run, 
         assert states == {**dict.fromkeys(CACHED, "Cached"), "train": "Cancelled"}, states
     logs = run_logs(world, run_id)  # and the API agrees: nothing at ERROR or above
     assert not [log.message for log in logs if log.level >= 40]
+
+
+# ----------------------------------------------------------------------------------------------- `rlhf run` alone
+
+
+def test_the_view_at_link_of_a_run_on_the_temporary_server_shows_the_run(tmp_path, prefect_browser):
+    """With no PREFECT_API_URL, `rlhf run` and `rlhf sweep` run on a temporary server, and Prefect prints "View at
+    http://127.0.0.1:<port>/runs/flow-run/<id>": that link opens the run's page while it runs (at 2a5c0fd the
+    server served no UI and the link answered {"detail":"Not Found"}). Needs no pipeline: a held flow run."""
+    from test_temporary_server import FLOW_NAME, held_flow_run
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with held_flow_run(tmp_path) as link, screenshot(prefect_browser, "temporary-server-run"):
+        prefect_browser.get(link)  # the page of the link, as Prefect serves it (its V1 UI at this path)
+        shown(prefect_browser, innermost("Beginning flow run"), "the run's log")
+        page = text(prefect_browser)
+        assert "Running" in page and FLOW_NAME in page and "Not Found" not in page, page

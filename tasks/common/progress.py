@@ -158,8 +158,10 @@ def prefect_ui_hint(flow_run_id: str | None) -> str:
     if api:
         ui = api.rstrip("/").removesuffix("/api")
         return f"{ui}/runs/flow-run/{flow_run_id}" if flow_run_id else ui
+    # the temporary server (and the UI behind the "View at" link it printed) stopped with the run; its state stays
     home = os.environ.get("PREFECT_HOME", ".prefect")
-    return f"PREFECT_HOME={home} prefect server start, then http://127.0.0.1:4200"
+    page = f"/runs/flow-run/{flow_run_id}" if flow_run_id else ""
+    return f"PREFECT_HOME={home} prefect server start, then http://127.0.0.1:4200{page}"
 
 
 def mlflow_ui_hint(root: Path, uri: str, run_id: str) -> list[str]:
