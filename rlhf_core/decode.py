@@ -18,6 +18,7 @@ processors in the same order, the same stop rule (a stopped row is padded; the l
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,7 +77,8 @@ class TokenChoice:
 @torch.no_grad()
 def decode(model: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int, pad_token_id: int,
            stop_token_id: int | None, choice: TokenChoice, noise_keys: Tensor | None = None,
-           keep_logprobs: bool = False, graphs: bool = False) -> tuple[Tensor, Tensor | None]:
+           keep_logprobs: bool = False, graphs: bool = False,
+           compile_options: dict | None = None) -> tuple[Tensor, Tensor | None]:
     """(B, R) responses of `model` to left-padded (B, P) prompts, padded after each row's stop token, and with
     `keep_logprobs` the log-prob of each token under softmax(logits / temperature) at its step: (B, R) float32,
     0 from the step after a row stopped. The (B, R, V) logits are never kept.
@@ -84,12 +86,14 @@ def decode(model: nn.Module, queries: Tensor, query_mask: Tensor, *, response_le
     noise_keys (B,): each row draws its own keyed uniforms (`ops.keyed_uniform`), so its sample depends on its key
     alone, not on its batch or process; None: the global random stream. The model's weights must be whole on this
     rank (under ZeRO-3: gathered, `runtime.whole_weights`): ranks decode independently, with no collective.
+    compile_options: `torch.compile` options of the `graphs` step (default: inductor, "reduce-overhead").
     """
     B, R = len(queries), response_length
     if graphs:
         queries, query_mask = _pad_to_bucket(queries, query_mask, pad_token_id)
     P = queries.shape[1]
-    forwards = Forwards(model, queries, query_mask, response_length=R, graphs=graphs)
+    forwards = Forwards(model, queries, query_mask, response_length=R, graphs=graphs,
+                        compile_options=compile_options)
     processors = choice.processors()
     sequence = torch.cat([queries, queries.new_full((B, R), pad_token_id)], dim=1)  # the penalty reads it
     responses = sequence[:, P:]  # a view: filled in place, step by step
@@ -118,10 +122,14 @@ def _choose(logits: Tensor, choice: TokenChoice, processors: LogitsProcessorList
     """(B,) tokens drawn from the (B, V) `logits` of step `t`, and with `keep_logprob` their log-probs under the
     unprocessed softmax(logits / temperature)."""
     logits = logits.float()  # as `generate`: processors and the draw in fp32 whatever the model's dtype
+    scaled = None  # logits / temperature, where the processors compute nothing else (pure sampling)
     if choice.greedy:
         tokens = logits.argmax(-1)
     else:
-        scores = processors(seen, logits.clone())  # a processor may write in place; the log-prob needs the logits
+        if len(processors) == 1 and type(processors[0]) is TemperatureLogitsWarper:
+            scores = scaled = logits / choice.temperature  # the warper's own arithmetic, once for both uses
+        else:  # a processor may write in place; the log-prob needs the logits
+            scores = processors(seen, logits.clone())
         if noise_keys is None:
             uniform = torch.rand(len(logits), dtype=torch.float64, device=logits.device)
         else:
@@ -129,23 +137,44 @@ def _choose(logits: Tensor, choice: TokenChoice, processors: LogitsProcessorList
         tokens = ops.sample_categorical(scores, uniform)  # (B,)
     if not keep_logprob:
         return tokens, None
-    return tokens, (logits / choice.temperature).log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    scaled = logits / choice.temperature if scaled is None else scaled
+    return tokens, scaled.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 class Forwards:
     """The model's forwards over one batch of prompts, with everything that does not change between steps built
-    once: the KV cache sized for prompt plus response, the (B, P + R) attention mask, each step's positions."""
+    once: the KV cache sized for prompt plus response, each step's attention mask and positions.
 
-    def __init__(self, model: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int, graphs: bool):
+    A step is capture-ready: one token per row, fixed shapes, no host sync, no data-dependent Python, so with
+    `graphs` it compiles with `fullgraph=True` into one graph that every step replays without recompiling
+    (tests/test_decode.py). For SDPA attention the (B, 1, 1, P + R) boolean mask is built here once and handed
+    over in its 4-D form, which transformers uses as it is: no per-step mask building and no `padding_mask.all()`
+    (a device sync) inside the step. A step that fails to compile or capture at run time warns once and runs
+    eagerly on the same static cache from then on."""
+
+    def __init__(self, model: nn.Module, queries: Tensor, query_mask: Tensor, *, response_length: int, graphs: bool,
+                 compile_options: dict | None = None):
         B, P = queries.shape
-        self.model, self.queries, self.query_mask, self.graphs = model, queries, query_mask, graphs
+        self.model, self.queries, self.query_mask = model, queries, query_mask
         self.prompt_length = P
-        self.mask = torch.cat([query_mask.long(), query_mask.new_ones(B, response_length, dtype=torch.long)], dim=1)
+        capacity = P + response_length
+        mask = torch.cat([query_mask.bool(), query_mask.new_ones(B, response_length, dtype=torch.bool)], dim=1)
+        if getattr(model.config, "_attn_implementation", None) != "sdpa":
+            self.masks = mask.long()  # (B, P + R): transformers builds each step's mask from it
+        else:
+            if graphs:  # (R, B, P + R): step t sees the prompt's real tokens and the responses through t
+                seen = torch.arange(capacity, device=mask.device) <= P + torch.arange(response_length,
+                                                                                     device=mask.device)[:, None]
+                mask = mask[None] & seen[:, None]
+            # additive (0 or the dtype's lowest): SDPA adds it as it is, where a boolean one costs a `where` per
+            # layer per step to convert; (..., B, 1, 1, P + R), a growing cache reading its first P + t + 1
+            self.masks = torch.zeros(mask.shape, dtype=_attention_dtype(model, queries.device), device=mask.device)
+            self.masks = self.masks.masked_fill_(~mask, torch.finfo(self.masks.dtype).min)[..., None, None, :]
         # response token t sits at position (the row's real prompt tokens) + t, as `cumsum(mask) - 1` gives
         self.positions = query_mask.long().sum(1, keepdim=True) + torch.arange(response_length, device=queries.device)
-        capacity = P + response_length
+        self.graphs = graphs and model not in _EAGER_AFTER_FAILURE
         self.cache = static_cache(model, B, capacity, queries.device) if graphs else GrowingCache(capacity)
-        self.forward = compiled_step(model) if graphs else model
+        self.forward = compiled_step(model, **(compile_options or {})) if self.graphs else model
 
     def prefill(self) -> Tensor:
         """The prompts' forward, filling the cache: the (B, V) logits of each row's last prompt position."""
@@ -157,7 +186,7 @@ class Forwards:
                                  position_ids=position_ids(query_mask), use_cache=True, logits_to_keep=1,
                                  **{CACHE: self.cache})
                 return out.logits[:, -1]
-            if not self.graphs:
+            if isinstance(self.cache, GrowingCache):
                 prompts, _ = prefill_shared_prompts(self.model, queries, query_mask, groups, reads=1,
                                                     logits_to_keep=1, **{CACHE: self.cache})
                 return prompts.logits[groups[1], -1]
@@ -170,15 +199,42 @@ class Forwards:
 
     def step(self, tokens: Tensor, t: int) -> Tensor:
         """Feed response token `t` of every row: the (B, V) logits that choose token t + 1."""
-        # a static cache attends over all its slots, so the whole mask; a growing one over the tokens so far
-        end = self.mask.shape[1] if self.graphs else self.prompt_length + t + 1
         if self.graphs:
+            try:
+                return self._step(self.forward, tokens, t)
+            except Exception as error:  # noqa: BLE001 - any failure to compile or capture: eager from here on
+                self._fall_back(error, t)
+        return self._step(self.model, tokens, t)
+
+    def _step(self, forward: Callable, tokens: Tensor, t: int) -> Tensor:
+        static = not isinstance(self.cache, GrowingCache)
+        if self.masks.dim() == 5:
+            mask = self.masks[t]  # (B, 1, 1, P + R)
+        else:  # a static cache attends over all its slots, a growing one over the tokens so far
+            mask = self.masks if static else self.masks[..., :self.prompt_length + t + 1]
+        if forward is not self.model:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are read: the next may reuse them
-        out = self.forward(input_ids=tokens[:, None], attention_mask=self.mask[:, :end],
-                           position_ids=self.positions[:, t:t + 1], use_cache=True, logits_to_keep=1,
-                           **{CACHE: self.cache})
+        out = forward(input_ids=tokens[:, None], attention_mask=mask, position_ids=self.positions[:, t:t + 1],
+                      use_cache=True, logits_to_keep=1, **{CACHE: self.cache})
         # a graph's output lives in memory its next replay overwrites: copied out (B x V, once per step)
-        return out.logits[:, -1].to(torch.float32, copy=True) if self.graphs else out.logits[:, -1]
+        return out.logits[:, -1].to(torch.float32, copy=True) if forward is not self.model else out.logits[:, -1]
+
+    def _fall_back(self, error: Exception, t: int) -> None:
+        """The compiled step failed: one warning per model, then eager steps on the same static cache, rewound to
+        the P + t tokens written before step t (a failed call may have advanced it)."""
+        warnings.warn(f"decode: the compiled decode step failed ({type(error).__name__}: {str(error)[:300]}); "
+                      "decoding eagerly on the static cache instead", RuntimeWarning, stacklevel=3)
+        _EAGER_AFTER_FAILURE[self.model] = True
+        self.graphs = False
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.prompt_length + t)
+
+
+def _attention_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype of the queries in `model`'s attention: autocast's where it is on, else the weights'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(model.parameters()).dtype
 
 
 def graphs_available(model: nn.Module) -> bool:
@@ -192,7 +248,8 @@ def graphs_available(model: nn.Module) -> bool:
     return all(type(layer) is StaticLayer for layer in cache.layers)
 
 
-_COMPILED: weakref.WeakKeyDictionary[nn.Module, Callable] = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Callable]] = weakref.WeakKeyDictionary()
+_EAGER_AFTER_FAILURE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 _STATIC_CACHES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, StaticCache]] = weakref.WeakKeyDictionary()
 
 
@@ -207,12 +264,16 @@ def static_cache(model: nn.Module, batch_size: int, capacity: int, device: torch
     return caches[key]
 
 
-def compiled_step(model: nn.Module) -> Callable:
-    """`model`'s forward compiled once per model for one-token steps: CUDA graphs on CUDA ("reduce-overhead"),
-    fixed shapes (a new prompt-width bucket or batch size compiles one more graph)."""
-    if model not in _COMPILED:
-        _COMPILED[model] = torch.compile(model, mode="reduce-overhead", dynamic=False, fullgraph=False)
-    return _COMPILED[model]
+def compiled_step(model: nn.Module, **options) -> Callable:
+    """`model`'s forward compiled once per model (and options) for one-token steps: one whole graph
+    (`fullgraph=True`: a graph break is an error, not a silent split) with fixed shapes, by default CUDA graphs
+    on CUDA (inductor, "reduce-overhead"). A new prompt-width bucket or batch size compiles one more graph."""
+    options = {"mode": "reduce-overhead", **options} if "backend" not in options else options
+    compiled = _COMPILED.setdefault(model, {})
+    key = tuple(sorted(options.items(), key=lambda item: item[0]))
+    if key not in compiled:
+        compiled[key] = torch.compile(model, dynamic=False, fullgraph=True, **options)
+    return compiled[key]
 
 
 def _fill_static(cache: StaticCache, dynamic: DynamicCache, length: int) -> None:

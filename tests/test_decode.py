@@ -8,6 +8,7 @@ same log-prob for every token through each row's stop token.
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,66 @@ def test_cuda_graphs_asked_for_where_there_are_none_are_refused_by_name(tokenize
     auto = make_trainer(tiny_config("rloo", total_episodes=32, decode_graphs="auto"), tokenizer, prompts,
                         make_policy, make_scorer_model)
     assert len(auto.rollout([0, 1])) == 2 * auto.cfg.samples_per_prompt
+
+
+def _step_by_step(forwards, steps: int, keys) -> list[torch.Tensor]:
+    """The logits of the prefill and of each of `steps` decode steps, feeding keyed draws."""
+    logits = [forwards.prefill()]
+    for t in range(steps):
+        tokens = ops.sample_categorical(logits[-1].float() / 0.7, ops.keyed_uniform(keys, t))
+        logits.append(forwards.step(tokens, t).clone())
+    return logits
+
+
+def test_the_decode_step_is_one_graph_that_every_step_replays_without_recompiling():
+    """Capture-ready before any GPU sees it: the one-token step over the static KV cache compiles with
+    `fullgraph=True` (a graph break would raise) into one graph, and no later step, nor a second rollout of other
+    prompts of the same bucket, recompiles (dynamo's `error_on_recompile`); its logits are the eager step's.
+    Dynamo's tracing is what a CUDA capture needs; backend "eager" checks it without inductor's codegen."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from rlhf_core.decode import Forwards, _pad_to_bucket
+
+    model = tiny("gpt_neox")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fall-back to the eager step fails the test
+        for seed in (0, 1):  # two rollouts: other prompts, same shapes
+            queries, query_mask = _pad_to_bucket(*left_padded_prompts(n=6, seed=seed), PAD)  # as `decode` does
+            keys = torch.arange(6) + 10 * seed
+            eager = _step_by_step(Forwards(model, queries, query_mask, response_length=R, graphs=False), R - 1, keys)
+            forwards = Forwards(model, queries, query_mask, response_length=R, graphs=True,
+                                compile_options={"backend": "eager"})
+            compiled = _step_by_step(forwards, R - 1, keys)
+            assert forwards.graphs, "the compiled step did not fall back"
+            for ours, reference in zip(compiled, eager, strict=True):
+                torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_step_that_fails_to_compile_decodes_eagerly_after_one_warning():
+    """A model whose forward cannot be one graph (here a hook that breaks it): `graphs` warns once, decodes the
+    same tokens as the eager loop on the static cache it had begun, and the next rollout neither warns nor tries
+    again."""
+    import torch._dynamo
+
+    model = biased(tiny("gpt_neox", seed=3), eos_bias=1.0)
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
+    kwargs = dict(response_length=R, pad_token_id=PAD, stop_token_id=EOS, choice=TokenChoice(temperature=0.7),
+                  keep_logprobs=True, compile_options={"backend": "eager"})
+    queries, query_mask = left_padded_prompts(n=6, seed=4)
+    keys = torch.arange(6) * 3
+    eager = decode(model, queries, query_mask, noise_keys=keys, **kwargs)
+    torch._dynamo.reset()
+    for attempt in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = decode(model, queries, query_mask, noise_keys=keys, graphs=True, **kwargs)
+        messages = [str(w.message) for w in caught if "compiled decode step failed" in str(w.message)]
+        assert len(messages) == (1 if attempt == 0 else 0), messages
+        assert torch.equal(compiled[0], eager[0])
+        torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-5)
+
