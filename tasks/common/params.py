@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -27,7 +28,7 @@ from rlhf_core.config import (
     RuntimeConfig,
     SFTConfig,
 )
-from rlhf_core.reward_functions import import_reward_function
+from rlhf_core.reward_functions import import_reward_function, split_reward_path
 from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
@@ -49,9 +50,10 @@ class _Section(BaseModel):
 
 
 class TrustParams(_Section):
-    """What a run's overrides may reach beyond the committed pipeline (docs/security.md). Set in params.yaml or a
-    profile, by whoever commits them; a run's overrides cannot set it (`load_params` refuses `trust.*`). No stage
-    depends on it in dvc.yaml: it changes what may run, not what a run computes."""
+    """What a run's overrides may reach beyond the committed pipeline (docs/security.md). Set in params.yaml only,
+    by whoever commits it: neither a run's overrides nor a profile can set it (`load_params` refuses both; a run may
+    pick any committed profile). No stage depends on it in dvc.yaml: it changes what may run, not what a run
+    computes."""
 
     reward_modules: list[str] = Field(default_factory=list)
     """Module prefixes train.reward_funcs[].function may import from, e.g. ['my_rewards'] allows 'my_rewards:f'
@@ -156,9 +158,7 @@ class RewardSource(_Section):
             raise ValueError("a reward source names exactly one of 'model' (path or hub id) or 'function' "
                              "('package.module:function')")
         if self.function is not None:  # imported by Params, once trust.reward_modules allows its module
-            module, sep, attribute = self.function.partition(":")
-            if not sep or not module or not attribute:
-                raise ValueError(f"function {self.function!r}: expected 'package.module:function'")
+            split_reward_path(self.function)
         return self
 
     @property
@@ -255,13 +255,17 @@ class Params(_Section):
         for i, source in enumerate(self.train.reward_funcs or []):
             if source.function is None:
                 continue
-            module = source.function.partition(":")[0]
+            module = split_reward_path(source.function)[0]
             if not any(module == prefix or module.startswith(f"{prefix}.") for prefix in allowed):
                 raise ValueError(
                     f"train.reward_funcs[{i}].function: module {module!r} is not in trust.reward_modules "
                     f"({allowed or 'empty'}); not imported. To allow it, add its package to trust.reward_modules "
                     f"in params.yaml (a run's overrides cannot)")
-            import_reward_function(source.function)
+            try:  # a function defined at module level in that module: no name it imported, no attribute path
+                import_reward_function(source.function)
+            except ValueError as err:
+                raise ValueError(f"train.reward_funcs[{i}].function: {err}; trust.reward_modules ({allowed}) allows "
+                                 "functions defined in those modules only") from None
         return self
 
     def rl_config(self) -> RLConfig:
@@ -390,7 +394,11 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
         if not profile_path.is_file():
             known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
             raise ParamsError(f"unknown profile {profile!r}: {profile_path} does not exist; known: {['demo', *known]}")
-        raw = deep_merge(raw, _read_yaml(profile_path))
+        profile_data = _read_yaml(profile_path)
+        if "trust" in profile_data:
+            raise ParamsError(f"{profile_path}: trust: a profile cannot set it (a run may pick any committed profile, "
+                              f"so trust in one would widen every run); set it in {path}'s trust section")
+        raw = deep_merge(raw, profile_data)
         for key in raw.get("base", {}).get("run_overrides") or []:  # a run's overrides outrank its profile
             raw = deep_merge(raw, _nested(key, _dotted(params_yaml, key)))
     raw = deep_merge(raw, override)
@@ -407,24 +415,39 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
 
 
 def _check_override_paths(root: Path, roots: list[str], override: dict) -> None:
-    """Every path an override names (absolute, `~`, or climbing out with `..`) must lie under the workspace or a
-    trust.roots folder: a run's overrides read no file the committed pipeline does not."""
+    """Every string an override sets, read as the file it would name in the workspace (`_resolved_path`: symlinks
+    followed), must lie under the workspace or a trust.roots folder: a run's overrides read no file the committed
+    pipeline does not. A word or a hub id names a path inside the workspace, so it passes unless a symlink there
+    of that name leads out."""
     workspace = root.resolve()
-    allowed = [workspace, *((workspace / Path(r).expanduser()).resolve() for r in roots)]
+    try:
+        allowed = [workspace, *(_resolved_path(workspace, r) for r in roots)]
+    except (OSError, RuntimeError, ValueError) as err:
+        raise ParamsError(f"trust.roots: {roots} cannot be resolved ({err})") from None
     errors = []
     for key, value in _leaves(override):
-        if not isinstance(value, str) or not _names_a_path_outside(value):
+        if not isinstance(value, str):
             continue
-        target = (workspace / Path(value).expanduser()).resolve()
+        try:
+            target = _resolved_path(workspace, value)
+        except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, an unknown ~user, a NUL byte
+            errors.append(f"{key}: {value!r} cannot be resolved to a file ({err}); a run's overrides may name "
+                          f"files under the workspace ({workspace}) and trust.roots ({roots or 'empty'}) only")
+            continue
         if not any(target.is_relative_to(folder) for folder in allowed):
+            names = "" if str(target) == value else f": it names {target}"
             errors.append(f"{key}: {value} is outside the workspace ({workspace}) and trust.roots "
-                          f"({roots or 'empty'}); a run's overrides may name files there only")
+                          f"({roots or 'empty'}){names}; a run's overrides may name files there only")
     if errors:
         raise ParamsError("invalid overrides:\n  " + "\n  ".join(errors))
 
 
-def _names_a_path_outside(value: str) -> bool:
-    return value.startswith(("/", "~")) or ".." in Path(value).parts
+def _resolved_path(workspace: Path, value: str) -> Path:
+    """The file `value` names for a stage running in `workspace`: a `file:` URL's path, `~` expanded, relative to
+    the workspace, every symlink on the way followed (`data/etc/passwd` with `data/etc -> /etc` is /etc/passwd)."""
+    if value[:5].lower() == "file:":
+        value = urlsplit(value).path
+    return (workspace / Path(value).expanduser()).resolve()
 
 
 def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
