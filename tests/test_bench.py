@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rlhf_core.bench import build_trainer, matmul_params, peak_matmul_flops, update_flops
@@ -33,7 +35,35 @@ def test_update_flops_are_what_torch_counts_in_a_real_update(algo):
                   if str(op).split(".")[1] in ("mm", "addmm", "bmm"))
     assert trainer._sampling_logprobs_exact, "fp32: the policy's rollout log-probs cost no forward"
     assert update_flops(trainer, 48) == pytest.approx(counted, rel=2e-3)
-    assert peak_matmul_flops(n=128) > 1e8  # a real measurement, not a constant
+
+
+def _best_matmul_s(n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def test_the_peak_is_what_this_machine_multiplies_per_second():
+    """`peak_matmul_flops`, the denominator of the bench's MFU, against this test's own clock: it multiplies n x n
+    matrices (torch counts 2 n^3 FLOPs a product), reports at least their mean rate over the whole call (the best of
+    a few is no slower than their mean) and at most what the same products ever reach here (a best of 16 timed
+    around it, with room for one lucky run): a constant, a clock around nothing or a miscounted product fails."""
+    n = 384
+    with FlopCounterMode(display=False) as counter:
+        peak_matmul_flops(n=n)
+    products = counter.get_flop_counts()["Global"]
+    assert {str(op) for op in products} == {"aten.mm"} and products[torch.ops.aten.mm] % (2 * n**3) == 0, products
+    multiplied = products[torch.ops.aten.mm]
+    fastest = _best_matmul_s(n, 16)
+    start = time.perf_counter()
+    peak = peak_matmul_flops(n=n)
+    call_s = time.perf_counter() - start
+    fastest = min(fastest, _best_matmul_s(n, 16))
+    assert multiplied / call_s <= peak <= 1.5 * 2 * n**3 / fastest, (multiplied / call_s, peak, 2 * n**3 / fastest)
 
 
 @pytest.fixture(scope="module")
