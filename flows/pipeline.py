@@ -190,7 +190,13 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
         if failed is None and (changes or experiment):
             record["dvc_experiment"] = _save_experiment(root, record, experiment)
     finally:
-        end_pipeline_run(parent, status, root)
+        try:
+            end_pipeline_run(parent, status, root)
+        except TrackingError as lost:  # MLflow never took the run's writes: a failed run, naming them
+            if failed is not None or status != "FINISHED":  # a stage's failure is the story; this is said beside it
+                get_run_logger().error("%s", lost)
+            else:
+                status, failed = "FAILED", Failed(message=str(lost))
         record.update(status=status, stages=results, failure=failed.message if failed is not None else None)
         write_run_record(root, record)
     if failed is not None:

@@ -2,7 +2,11 @@
 `<profile>-<algo>-<overrides>-<MMDD-HHMMSS>` (mlflow_store.run_name), tagged with the hash of its resolved
 params (`rlhf.params_hash`: runs of the same params share it), opened with the resolved params and overrides,
 closed with dvc.lock, metrics/*.json and the headline metrics lifted onto it. Opening it ends the RUNNING runs
-of processes that died (mlflow_store.end_runs_of_dead_processes)."""
+of processes that died (mlflow_store.end_runs_of_dead_processes).
+
+Its writes go as a stage's do (tasks/common/mlflow_tracker.py): on a tracking server, opening it is retried and
+made once; its params, artifacts, metrics and end are queued and retried through an outage, and closing it
+waits for them, then fails the run naming what was not sent or what was refused."""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from tasks.common.mlflow_store import (
     unique_run_name,
 )
 from tasks.common.mlflow_store import run_name as _run_name
-from tasks.common.mlflow_tracker import MlflowTracker, TrackingUnavailable
+from tasks.common.mlflow_tracker import MlflowTracker, RetryingClient, retrying
 from tasks.common.params import Params, load_params
 from tasks.common.stage_tracking import OVERRIDES_TAG
 from tasks.common.transient import redact
@@ -59,7 +63,7 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
         raise TrackingError(str(err)) from None
     root = Path(root).resolve()
     params = load_params(root, profile, list(overrides))
-    client = get_client(root)
+    client = _client(root)
     tags = {**lineage_tags(root, params.base.profile), "rlhf.kind": "pipeline", "rlhf.root": str(root),
             OVERRIDES_TAG: json.dumps(list(overrides)), PARAMS_HASH_TAG: params_hash(params), **owner_tags()}
     if parent:
@@ -70,9 +74,25 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
     name = unique_run_name(client, exp, name or run_name(params, overrides))
     run = client.create_run(exp, run_name=name, tags=tags)
     end_runs_of_dead_processes(client, exp, run.info.run_id, name)  # a run killed with -9 before this one
-    MlflowTracker(client, run.info.run_id).log_params({**params.model_dump(mode="json"),
-                                                       "overrides": json.dumps(list(overrides))})
+    tracker = open_tracker(root, run.info.run_id)
+    _open[run.info.run_id] = (root, tracker)
+    tracker.log_params({**params.model_dump(mode="json"), "overrides": json.dumps(list(overrides))})
     return run.info.run_id
+
+
+_open: dict[str, tuple[Path, MlflowTracker]] = {}  # pipeline runs opened by this process: their root and queue
+
+
+def _client(root: Path):
+    """The store's client; on a server every call retried through an outage, a creation made once."""
+    uri = tracking_uri(root)
+    return RetryingClient(get_client(root), redact(uri)) if is_remote(uri) else get_client(root)
+
+
+def open_tracker(root: Path, run_id: str) -> MlflowTracker:
+    """The write queue of a run this process opened (pipeline or sweep): retried through outages on a server."""
+    uri = tracking_uri(root)
+    return MlflowTracker(get_client(root), run_id, background=is_remote(uri), server=redact(uri))
 
 
 PARAMS_HASH_TAG = "rlhf.params_hash"
@@ -93,17 +113,18 @@ def params_hash(params: Params) -> str:
 
 def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
     """Close the parent run: attach dvc.lock and metrics/*.json, lift the headline metrics onto it (so
-    the runs table shows them), and set its status (MLflow's or Prefect's state names)."""
+    the runs table shows them), set its status (MLflow's or Prefect's state names), and wait until the store has
+    taken every write of the run. Raises TrackingUnavailable naming what a server never took, TrackingRefused
+    naming what it refused."""
     if not run_id or not tracking_enabled():
         return
-    client = get_client(root)
-    uri = tracking_uri(root)  # a server: every write queued and retried through an outage, as a stage's are
-    tracker = MlflowTracker(client, run_id, background=is_remote(uri), server=redact(uri))
-    try:
-        root = Path(client.get_run(run_id).data.tags.get("rlhf.root", root))
-    except Exception as err:
-        log.warning("MLflow run %s not found (%s); nothing to close", run_id, err)
-        return
+    if run_id in _open:
+        root, tracker = _open.pop(run_id)
+    else:  # opened by another process (a resumed or remote flow)
+        tracker = open_tracker(Path(root), run_id)
+        server = redact(tracking_uri(root)) if is_remote(tracking_uri(root)) else ""
+        tags = retrying("get_run", get_client(root).get_run, run_id, server=server).data.tags
+        root = Path(tags.get("rlhf.root", root))
     if (root / "dvc.lock").is_file():
         tracker.log_artifact(root / "dvc.lock")
     for file in sorted((root / "metrics").glob("*.json")):
@@ -114,12 +135,8 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
                 log.warning("%s is not a JSON object of metrics", file)
             else:
                 tracker.log_metrics({f"{file.stem}/{k}": v for k, v in figures.items()}, 0)
-    state = _STATUS.get(status.strip().upper(), status.strip().upper())
-    tracker.write(f"the run's end ({state})", client.set_terminated, run_id, state)
-    try:
-        tracker.close()
-    except TrackingUnavailable as err:  # the stages' work is done and kept: said, not a failed run
-        log.error("%s", err)
+    tracker.end(_STATUS.get(status.strip().upper(), status.strip().upper()))
+    tracker.close()
 
 
 def run_url(run_id: str, root: str | Path = ".") -> str | None:

@@ -36,7 +36,8 @@ from prefect.states import Cancelled, Completed, Failed, State
 from flows import interrupt
 from flows.overrides import restore_after_killed_run
 from flows.pipeline import rlhf_pipeline
-from flows.pipeline_run import EXPERIMENT_TAG, run_url
+from flows.pipeline_run import EXPERIMENT_TAG, open_tracker, run_url
+from flows.pipeline_run import _client as pipeline_run_client
 from rlhf_core.jsonio import read_json_object, write_json
 from tasks.common.frontier import frontier, plot_frontier
 from tasks.common.mlflow_store import (
@@ -150,42 +151,56 @@ def state_path(root: str | Path, key: str) -> Path:
 # --------------------------------------------------------------------------------------------- MLflow
 
 
+@dataclass
+class SweepRun:
+    """The sweep's MLflow run: its id ('' without tracking), its write queue, and the time its figures carry."""
+
+    run_id: str
+    tracker: MlflowTracker | None = None
+    figures_ms: int = 0  # the same on every close of this run: figures sent again land once
+
+
 def _open_sweep_run(root: Path, key: str, profile: str, overrides: list[str], grid: list[str], n: int,
-                    resume_id: str | None) -> str:
-    """The sweep's MLflow run: reopened when resuming (its owner now this process), else created. ''
-    without tracking."""
+                    resume_id: str | None) -> SweepRun:
+    """The sweep's MLflow run: reopened when resuming (its owner now this process), else created; on a server
+    every call retried through an outage and the creation made once. Its params are queued (open_tracker)."""
     if not tracking_enabled():
-        return ""
+        return SweepRun("")
     from flows.servers import ServerUnreachable, check_mlflow
 
     try:
         check_mlflow()
     except ServerUnreachable as err:
         raise TrackingError(str(err)) from None
-    client = get_client(root)
+    client = pipeline_run_client(root)
+    found = None
     if resume_id:
         try:
-            client.get_run(resume_id)
+            found = client.get_run(resume_id)
+        except TrackingUnavailable:
+            raise
         except Exception:  # deleted since: a new one
-            resume_id = None
-    if resume_id:
+            found = None
+    if found is not None:
+        tracker = open_tracker(root, resume_id)
         for tag, value in owner_tags().items():
-            client.set_tag(resume_id, tag, value)
-        client.update_run(resume_id, status="RUNNING")
-        return resume_id
+            tracker.write(f"tag {tag}", client.set_tag, resume_id, tag, value)
+        tracker.write("the run's status (RUNNING)", client.update_run, resume_id, status="RUNNING")
+        return SweepRun(resume_id, tracker, found.info.start_time)
     exp = experiment_id(client, root)
     tags = {"rlhf.kind": "sweep", SWEEP_TAG: key, "rlhf.root": str(root), **owner_tags()}
     run = client.create_run(exp, run_name=unique_run_name(client, exp, f"{profile}-sweep-{key}"), tags=tags)
-    MlflowTracker(client, run.info.run_id).log_params(
-        {"profile": profile, "overrides": json.dumps(overrides), "grid": json.dumps(grid), "points": n})
-    return run.info.run_id
+    tracker = open_tracker(root, run.info.run_id)
+    tracker.log_params({"profile": profile, "overrides": json.dumps(overrides), "grid": json.dumps(grid), "points": n})
+    return SweepRun(run.info.run_id, tracker, run.info.start_time)
 
 
-def _close_sweep_run(root: Path, run_id: str, status: str, report: dict | None) -> None:
-    if not run_id:
+def _close_sweep_run(sweep: SweepRun, root: Path, status: str, report: dict | None) -> None:
+    """The frontier (artifacts, fit metrics, the gate's pick) and the run's end, waited for: TrackingUnavailable
+    naming what a server never took, TrackingRefused what it refused."""
+    if not sweep.run_id:
         return
-    client = get_client(root)
-    tracker = MlflowTracker(client, run_id)
+    tracker, run_id = sweep.tracker, sweep.run_id
     if report is not None:
         for name in ("frontier.json", "frontier.png"):
             if (root / SWEEP_DIR / name).is_file():
@@ -198,14 +213,11 @@ def _close_sweep_run(root: Path, run_id: str, status: str, report: dict | None) 
             if fit["peak_kl"] is not None:
                 figures[f"frontier/{algo}/peak_kl"] = fit["peak_kl"]
         figures.update({f"gate_pick/{k}": v for k, v in (report["gate_pick_figures"] or {}).items()})
-        tracker.log_metrics(figures, 0)
+        tracker.log_metrics(figures, 0, timestamp_ms=sweep.figures_ms)
         if report["gate_pick"]:
-            tracker.write("the gate's pick", client.set_tag, run_id, "rlhf.gate_pick", report["gate_pick"])
-    tracker.write(f"the run's end ({status})", client.set_terminated, run_id, status)
-    try:
-        tracker.close()
-    except TrackingUnavailable as err:
-        get_run_logger().error("%s", err)
+            tracker.write("the gate's pick", tracker.client.set_tag, run_id, "rlhf.gate_pick", report["gate_pick"])
+    tracker.end(status)
+    tracker.close()
 
 
 def _figures_from_mlflow(root: Path, parent: str, experiment: str) -> dict | None:
@@ -368,12 +380,12 @@ def rlhf_sweep(grid: list[str], profile: str = "demo", overrides: list[str] = []
     logger.info("sweep %s: %d points; %d finished earlier (kept, not rerun), %d to run", key, len(points),
                 len(points) - len(todo), len(todo))
     try:
-        parent = _open_sweep_run(root, key, profile, list(overrides), list(grid), len(points),
-                                 saved.get("mlflow_run_id"))
+        sweep = _open_sweep_run(root, key, profile, list(overrides), list(grid), len(points),
+                                saved.get("mlflow_run_id"))
     except TrackingError as err:
         logger.error("%s", err)
         return Failed(message=str(err))
-    saved["mlflow_run_id"] = parent
+    parent = saved["mlflow_run_id"] = sweep.run_id
     write_json(state_path(root, key), saved)
 
     def run_one(point: Point) -> tuple[State, dict | None]:
@@ -387,7 +399,12 @@ def rlhf_sweep(grid: list[str], profile: str = "demo", overrides: list[str] = []
     report = write_frontier(root, saved)
     failed = [label for label, p in saved["points"].items() if p["status"] != "FINISHED"]
     status = "KILLED" if stopped is not None else "FAILED" if failed else "FINISHED"
-    _close_sweep_run(root, parent, status, report)
+    try:
+        _close_sweep_run(sweep, root, status, report)
+    except TrackingError as lost:  # the frontier is in reports/sweep/; rerunning the sweep sends it again
+        logger.error("%s", lost)
+        if stopped is None and not failed:
+            return Failed(message=f"{lost} The points are finished: rerun the same sweep to send it.")
     if report is not None:
         create_markdown_artifact(frontier_markdown(report), key="rlhf-sweep-frontier",
                                  description="the sweep's candidates, Gao et al. fit and the gate's pick")

@@ -183,13 +183,29 @@ def test_stage_reports_become_artifacts_and_tables(mlflow_root):
     assert logged["columns"] == ["prompt", "completion", "score_rm"] and len(logged["data"]) == 3
 
 
-def test_logging_errors_never_fail_but_a_bad_parent_fails_first(mlflow_root, monkeypatch, caplog):
+def test_refused_writes_fail_the_close_naming_them_and_a_bad_parent_fails_first(mlflow_root, monkeypatch, caplog):
+    """A write the store refuses for good is never swallowed: the stage goes on (training is not stopped by its
+    logging), the writes after it still go, and the close fails naming each refused write."""
+    from tasks.common.mlflow_tracker import TrackingRefused
+
     client = get_client(mlflow_root)
     tracker = MlflowTracker(client, "f" * 32, flush_every=1)  # a run that does not exist
     tracker.log_metrics({"objective/kl": 1.0}, 1)
     tracker.log_artifact(mlflow_root / "mlflow.db")
-    tracker.close()
-    assert tracker.errors >= 2 and "the stage goes on without it" in caplog.text
+    with pytest.raises(TrackingRefused, match=r"refused writes of run f{32}: 1 metrics \(.*\); artifact mlflow.db"):
+        tracker.close()
+
+    run_id = client.create_run(experiment_id(client, mlflow_root)).info.run_id
+    tracker = MlflowTracker(client, run_id)
+    tracker.log_params({"a": 1})
+    tracker.log_params({"a": 2})  # MLflow refuses to change a param
+    tracker.log_metrics({"kept": 1.0}, 1)
+    tracker.end("FINISHED")
+    with pytest.raises(TrackingRefused, match=r"1 params \(.*Changing param values is not allowed"):
+        tracker.close()
+    run = client.get_run(run_id)
+    assert run.data.metrics == {"kept": 1.0}, "the writes after a refused one still go"
+    assert run.info.status == "FAILED", "a run with a refused write does not end FINISHED"
 
     monkeypatch.setenv("RLHF_PARENT_RUN_ID", "0" * 32)
     ran = []

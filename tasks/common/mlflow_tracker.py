@@ -6,12 +6,18 @@ call retried until it gets through while its failure is transient (tasks/common/
 refused, timeout, HTTP 5xx): training never waits on the network, and a server that drops for a while (a restart,
 a network blip) loses nothing. `close()` waits for the queue to drain for up to RLHF_MLFLOW_RETRY_S seconds
 (default 600) and then raises `TrackingUnavailable`, naming the server and each write not sent: the stage
-fails (its outputs kept), and the flow retries it. A refusal a retry cannot fix (a bad value) is dropped and
-said so, as before. An outage is logged as warnings (the stage's log): the first failed send ("... failed
+or run fails, and the flow retries it. A write in flight when the time is up is waited for: it is either
+confirmed or reported unsent, never both. A refusal a retry cannot fix (a bad value, a run that is not there) is
+never swallowed: the writes after it still go, the run's end becomes FAILED, and `close()` raises
+`TrackingRefused` naming each refused write. An outage is logged as warnings (the stage's log): the first failed send ("... failed
 (...); buffered, retried until the server takes them"), each write buffered behind it ("server down: ..."), and
 the end ("the server takes metrics ... again after S s and K failed tries; backlog drained: B batches (M metrics)
 sent, none lost"); no line carries a credential (a URL's user:password is cut out). A local sqlite store is
-written in the caller's thread, errors logged and never raised: the local store must not stop a training run.
+written in the caller's thread; a write it refuses is logged at once and fails the run at `close()`, as above.
+
+A write sent twice (a retry after a timeout whose reply was lost) lands once: metrics carry the time they were
+logged, and MLflow's stores drop a metric equal in key, step, value and time; params, tags, the run's end and
+artifacts are set to the same value again.
 
 Reads and writes that must happen now (open a run, register a model) use `retrying`: the same retries, in line.
 """
@@ -49,6 +55,10 @@ _MAX_PARAM_VALUE = 6000
 T = TypeVar("T")
 
 
+class TrackingRefused(TrackingError):
+    """The tracking store refused writes of a run for good (a retry would fail the same way): which, and why."""
+
+
 class TrackingUnavailable(TrackingError):
     """The tracking server did not take a stage's writes within RLHF_MLFLOW_RETRY_S: which server, and what. It
     carries the outage's last failure (`transient`): a retry of the stage, later, may well get through."""
@@ -82,32 +92,46 @@ class MlflowTracker:
     """`rlhf_core.tracking.Tracker` on one MLflow run, plus `write` for any other call on it. Metrics are
     buffered and sent with one `log_batch` every `flush_every` steps and at `close()`. With `background` (a
     tracking server) writes queue in order on a sending thread, retried through outages; else (a local store)
-    each is written in line, its error logged, never raised."""
+    each is written in line. Either way a refused write is kept in `refused` and fails `close()`."""
 
     def __init__(self, client, run_id: str, flush_every: int = FLUSH_EVERY, background: bool = False,
                  server: str = ""):
         self.client, self.run_id, self.flush_every = client, run_id, flush_every
-        self.errors = 0
+        self.refused: list[str] = []  # "what (why)" of each write the store refused for good
+        self.sent: deque[str] = deque(maxlen=64)  # the latest writes the store took, in order
         self.last_step = 0
         self.logged: set[str] = set()  # metric keys with a history already
         self._pending: list = []
         self._steps = 0
-        self._sender = _Sender(run_id, server) if background else None
+        self._lock = threading.Lock()  # log_metrics from a monitor's thread and the stage's
+        self._sender = _Sender(run_id, server, self) if background else None
 
-    def safely(self, what: str, fn: Callable, *args, **kwargs) -> None:
-        try:
-            fn(*args, **kwargs)
-        except Exception as err:  # logging must never fail the stage
-            self.errors += 1
-            if self.errors == 1:
-                log.warning("MLflow %s failed for run %s (%s); the stage goes on without it", what, self.run_id, err)
+    @property
+    def errors(self) -> int:
+        return len(self.refused)
 
     def write(self, what: str, fn: Callable, *args, metrics: int = 0, **kwargs) -> None:
         """`fn(*args, **kwargs)`, a write to this run: queued for the server, or done now on a local store."""
+        write = Write(what, lambda: fn(*args, **kwargs), metrics)
         if self._sender is not None:
-            self._sender.put(Write(what, lambda: fn(*args, **kwargs), metrics))
-        else:
-            self.safely(what, fn, *args, **kwargs)
+            self._sender.put(write)
+            return
+        try:
+            write.send()
+            self.sent.append(what)
+        except Exception as err:  # the local store: training goes on, close() fails naming it
+            self.refuse(what, err)
+
+    def refuse(self, what: str, err: Exception) -> None:
+        self.refused.append(f"{what} ({_describe(err)})")
+        log.error("MLflow refused %s of run %s (%s); the run fails at its end", what, self.run_id, _describe(err))
+
+    def end(self, status: str) -> None:
+        """Queue the run's end, last: FAILED instead of FINISHED when a write before it was refused."""
+        def send():
+            self.client.set_terminated(self.run_id, "FAILED" if self.refused and status == "FINISHED" else status)
+
+        self.write(f"the run's end ({status})", send)
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -117,16 +141,20 @@ class MlflowTracker:
             batch = items[start:start + _MAX_PARAMS_PER_BATCH]
             self.write(f"{len(batch)} params", self.client.log_batch, self.run_id, params=batch, synchronous=True)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, timestamp_ms: int | None = None) -> None:
+        """`timestamp_ms`: the metrics' time; a fixed one makes logging them again a no-op (the store drops
+        equal metrics)."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         values = numeric(metrics)
-        self._pending += [Metric(k, v, now, step) for k, v in values.items()]
-        self.logged.update(values)
-        self.last_step = max(self.last_step, step)
-        self._steps += 1
-        if self._steps % self.flush_every == 0:
+        with self._lock:
+            self._pending += [Metric(k, v, now, step) for k, v in values.items()]
+            self.logged.update(values)
+            self.last_step = max(self.last_step, step)
+            self._steps += 1
+            due = self._steps % self.flush_every == 0
+        if due:
             self.flush()
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
@@ -134,7 +162,8 @@ class MlflowTracker:
         self.write(f"artifact {where}", self.client.log_artifact, self.run_id, str(path), artifact_path)
 
     def flush(self) -> None:
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         for start in range(0, len(pending), _MAX_METRICS_PER_BATCH):
             batch = pending[start:start + _MAX_METRICS_PER_BATCH]
             self.write(f"{len(batch)} metrics", _log_metric_batch, self.client, self.run_id, batch,
@@ -142,21 +171,22 @@ class MlflowTracker:
 
     def close(self) -> None:
         """Send what is buffered; with a server, wait up to RLHF_MLFLOW_RETRY_S for it to take every write.
-        Raises TrackingUnavailable naming what it never took."""
+        Raises TrackingUnavailable naming what it never took, TrackingRefused naming what it refused."""
         self.flush()
-        if self._sender is None:
-            return
-        unsent, cause = self._sender.drain(retry_seconds())
+        unsent, cause = self._sender.drain(retry_seconds()) if self._sender is not None else ([], None)
+        refused = f" Refused for good: {'; '.join(self.refused)}." if self.refused else ""
+        where = self._sender.server if self._sender is not None and self._sender.server else "the tracking store"
         if unsent:
-            self.errors += 1
             metrics = sum(w.metrics for w in unsent)
             what = ", ".join(dict.fromkeys(w.what for w in unsent if not w.metrics))
             listed = f"{metrics} metrics" + (f", {what}" if what else "") if metrics else what
             raise TrackingUnavailable(
-                f"MLflow at {self._sender.server or 'the tracking server'} did not take run {self.run_id}'s writes "
-                f"within {retry_seconds():.0f} s ({RETRY_ENV}; last failure: {cause or 'none recorded'}). Not sent: "
-                f"{listed}. The stage's outputs are kept: run it again (the flow retries it) once the server is "
-                f"back.", cause)
+                f"MLflow at {where} did not take run {self.run_id}'s writes within {retry_seconds():.0f} s "
+                f"({RETRY_ENV}; last failure: {cause or 'none recorded'}). Not sent: {listed}.{refused} Run it "
+                f"again once the server is back (the flow retries a stage).", cause)
+        if self.refused:
+            raise TrackingRefused(f"MLflow at {where} refused writes of run {self.run_id}: "
+                                  f"{'; '.join(self.refused)}. The run ends FAILED.")
 
 
 def _log_metric_batch(client, run_id: str, batch: list) -> None:
@@ -266,12 +296,13 @@ class _Sender:
     failure is transient; started on the first write. An outage (from the first failed send until the queue is
     empty again) is logged: when it starts, each write buffered meanwhile, and when the backlog has drained."""
 
-    def __init__(self, run_id: str, server: str):
-        self.run_id, self.server = run_id, server
+    def __init__(self, run_id: str, server: str, tracker: MlflowTracker):
+        self.run_id, self.server, self._tracker = run_id, server, tracker
         self._queue: deque[Write] = deque()
         self._cond = threading.Condition()
         self._busy = False  # a write is being sent
         self._closing = False
+        self._stopped = False  # the deadline passed: no new send starts
         self._give_up_at = math.inf
         self._thread: threading.Thread | None = None
         self._down_since: float | None = None  # monotonic time of the outage's first failed send
@@ -296,12 +327,17 @@ class _Sender:
             self._cond.notify_all()
 
     def drain(self, timeout_s: float) -> tuple[list[Write], Transient | None]:
-        """Wait until every write is sent or `timeout_s` passes: (the writes not sent, the last failure)."""
+        """Wait until every write is sent or `timeout_s` passes: (the writes not sent, the last failure). A send
+        in flight at the deadline is waited for (MLflow's HTTP timeout bounds it): if it got through it is not
+        reported unsent, so a rerun never sends it a second time."""
         with self._cond:
             self._closing = True
             self._give_up_at = time.monotonic() + timeout_s
             self._cond.notify_all()
             while (self._queue or self._busy) and time.monotonic() < self._give_up_at:
+                self._cond.wait(timeout=0.5)
+            self._stopped = True
+            while self._busy:  # the write in flight: confirmed, or failed and still queued
                 self._cond.wait(timeout=0.5)
             unsent = list(self._queue)
             self._queue.clear()
@@ -311,8 +347,8 @@ class _Sender:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    if self._closing:
+                while not self._queue or self._stopped:
+                    if self._closing and (self._stopped or not self._queue):
                         return
                     self._cond.wait()
                 write = self._queue[0]
@@ -320,7 +356,9 @@ class _Sender:
             sent = self._send(write)
             with self._cond:
                 if sent is not None and self._queue and self._queue[0] is write:
-                    self._queue.popleft()  # sent, or refused for good (said so); else it stays: not sent
+                    self._queue.popleft()  # sent, or refused for good (kept in refused); else it stays: not sent
+                if sent:
+                    self._tracker.sent.append(write.what)
                 if self._down_since is not None and sent:
                     self._backlog[0] += 1
                     self._backlog[1] += write.metrics
@@ -333,7 +371,8 @@ class _Sender:
                 self._cond.notify_all()
 
     def _send(self, write: Write) -> bool | None:
-        """True: sent; False: refused for good (dropped); None: still failing when the deadline came."""
+        """True: sent; False: refused for good (kept in the tracker's refused); None: still failing when the
+        deadline came."""
         delay = 1.0
         while True:
             try:
@@ -342,8 +381,7 @@ class _Sender:
             except Exception as err:
                 cause = transient_cause(err)
                 if cause is None:
-                    log.error("MLflow refused %s of run %s (%s); they are dropped", write.what, self.run_id,
-                              _describe(err))
+                    self._tracker.refuse(write.what, err)
                     return False
                 with self._cond:
                     self._failures += 1

@@ -3,7 +3,8 @@ with its metrics, reports and dvc.lock (FAILED, with the traceback, when the sta
 
 On a tracking server nothing is lost to an outage (tasks/common/mlflow_tracker.py): opening the run is retried
 until the server answers, every later write is queued and retried, and the run is closed only when the server
-has taken them all, else the stage fails naming what was not sent (TrackingUnavailable), its outputs kept.
+has taken them all, else the stage fails naming what was not sent (TrackingUnavailable) or what it refused
+(TrackingRefused). On a GPU machine the system metrics go through the same queue (SystemMetrics).
 
 Run ids are passed explicitly (`MlflowClient`); MLflow's per-thread active run is never used, so stages run
 inside Prefect tasks or DVC subprocesses log to the right run. A stage run nests under the pipeline run named
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
@@ -51,8 +53,8 @@ log = logging.getLogger(__name__)
 
 MAX_TABLE_ROWS = 5000
 OVERRIDES_TAG = "rlhf.overrides"  # JSON list of the `section.key=value` overrides of a pipeline or stage run
-SYSTEM_METRICS_ENV = "RLHF_SYSTEM_METRICS"
-LAUNCH_PARAMS = ("num_processes", "distributed_type")  # of a model stage's metrics, logged as params too  # off: no GPU system metrics even on a GPU machine
+SYSTEM_METRICS_ENV = "RLHF_SYSTEM_METRICS"  # off: no GPU system metrics even on a GPU machine
+LAUNCH_PARAMS = ("num_processes", "distributed_type")  # of a model stage's metrics, logged as params too
 
 
 @dataclass
@@ -173,7 +175,7 @@ def _close_stage_run(run: MlflowStageRun, root: Path, name: str, metrics: Mappin
     _log_outputs(run, root, name)
     if error:
         tracker.write("error.txt", tracker.client.log_text, run.run_id, error, "error.txt")
-    tracker.write(f"the run's end ({status})", tracker.client.set_terminated, run.run_id, status)
+    tracker.end(status)
     tracker.close()
 
 
@@ -202,31 +204,68 @@ def track_stage(name: str, root: str | Path, params, work: Callable[[], dict], o
         metrics = work()
     except BaseException as err:
         status = "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED"
+        _current.reset(token)
+        if monitor is not None:  # its last sample before the run's end, never after it
+            monitor.stop()
         try:
             _close_stage_run(run, root, name, {}, status, traceback.format_exc())
-        except TrackingUnavailable as lost:  # the stage's own error is the story; this one is said beside it
+        except TrackingError as lost:  # the stage's own error is the story; this one is said beside it
             log.error("%s", lost)
         raise
-    finally:
-        _current.reset(token)
-        if monitor is not None:
-            run.tracker.safely("stop system metrics", monitor.finish)
+    _current.reset(token)
+    if monitor is not None:
+        monitor.stop()
     _close_stage_run(run, root, name, metrics, "FINISHED")
     return metrics
 
 
-def _gpu_system_metrics(run: MlflowStageRun):
-    """On a GPU machine, MLflow's system metrics (GPU utilisation and memory, CPU, disk) every 10 s into the stage
-    run; on a laptop they would only add noise to every run. None when there is no GPU."""
+class SystemMetrics:
+    """MLflow's system monitors (CPU, memory, disk, network, GPU) sampled from a thread, each aggregate sent as
+    `system/<name>` metrics at steps 0, 1, ... through the stage run's tracker: the same ordered, retried queue as
+    every other write, so an outage loses none and none lands after the run's end (`stop()` comes first)."""
+
+    def __init__(self, run: MlflowStageRun, interval_s: float = 10):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # MLflow's monitor for its samplers and settings (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL, ...); its own
+        # loop is not used: it reads the run on every sample and logs beside the queue, from its thread
+        self._monitor = SystemMetricsMonitor(run.run_id, sampling_interval=interval_s, tracking_uri=run.uri)
+        self._tracker, self._stop, self._step = run.tracker, threading.Event(), 0
+        self._prefix = "system/" + (f"{self._monitor.node_id}/" if self._monitor.node_id else "")
+        self._thread = threading.Thread(target=self._run, name=f"rlhf-system-metrics-{run.run_id[:8]}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        monitor = self._monitor
+        while not self._stop.is_set():
+            for _ in range(monitor.samples_before_logging):
+                monitor.collect_metrics()
+                if self._stop.wait(monitor.sampling_interval):
+                    break
+            self._publish()
+
+    def _publish(self) -> None:
+        figures = {f"{self._prefix}{k}": v for k, v in self._monitor.aggregate_metrics().items()}
+        for sampler in self._monitor.monitors:
+            sampler.clear_metrics()
+        if figures:
+            self._tracker.log_metrics(figures, self._step)
+            self._tracker.flush()
+            self._step += 1
+
+    def stop(self) -> None:
+        """Take the last sample and stop; returns when the thread has ended (its writes are all queued)."""
+        self._stop.set()
+        self._thread.join()
+
+
+def _gpu_system_metrics(run: MlflowStageRun) -> SystemMetrics | None:
+    """On a GPU machine, system metrics (GPU utilisation and memory, CPU, disk) every 10 s into the stage run; on a
+    laptop they would only add noise to every run. None when there is no GPU or RLHF_SYSTEM_METRICS=off."""
     if shutil.which("nvidia-smi") is None or os.environ.get(SYSTEM_METRICS_ENV, "on").lower() in {"off", "0", "false"}:
         return None
     try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-        monitor = SystemMetricsMonitor(run.run_id, sampling_interval=10, tracking_uri=run.uri)
-        monitor.start()
+        return SystemMetrics(run)
     except Exception as err:  # a missing NVML, an old driver: the stage goes on without them
         log.warning("MLflow system metrics unavailable (%s)", err)
         return None
-    return monitor
-
