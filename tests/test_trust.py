@@ -129,8 +129,10 @@ def test_a_reward_function_is_one_defined_at_module_level_in_an_allowed_module(t
         assert "train.reward_funcs" in str(err.value) and says in str(err.value), (function, str(err.value))
         with pytest.raises(ValidationError, match="train.reward_funcs"):  # the same check where a stage reads params
             _reward_funcs(function, ["tasks", "test_trust"])
-    with pytest.raises(ParamsError, match="allows functions defined in those modules only"):
-        load_params(workspace, None, ['train.reward_funcs=[{"function": "test_trust:imported_run"}]'])
+    for function in ("tasks.common.launcher:subprocess.run", "test_trust:imported_run"):
+        with pytest.raises(ParamsError, match=r"train.reward_funcs\[0\].function: .*; trust.reward_modules "
+                                              r"\(\['tasks', 'test_trust'\]\) allows functions defined at module level"):
+            load_params(workspace, None, [f'train.reward_funcs=[{{"function": "{function}"}}]'])
 
 
 # ------------------------------------------------------------------ paths: resolved, symlinks included

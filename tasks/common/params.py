@@ -157,8 +157,10 @@ class RewardSource(_Section):
         if (self.model is None) == (self.function is None):
             raise ValueError("a reward source names exactly one of 'model' (path or hub id) or 'function' "
                              "('package.module:function')")
-        if self.function is not None:  # imported by Params, once trust.reward_modules allows its module
-            split_reward_path(self.function)
+        if self.function is not None:  # checked and imported by Params, once trust.reward_modules allows its module
+            module, sep, attribute = self.function.partition(":")
+            if not sep or not module or not attribute:
+                raise ValueError(f"function {self.function!r}: expected 'package.module:function'")
         return self
 
     @property
@@ -255,17 +257,20 @@ class Params(_Section):
         for i, source in enumerate(self.train.reward_funcs or []):
             if source.function is None:
                 continue
-            module = split_reward_path(source.function)[0]
+            key, only = f"train.reward_funcs[{i}].function", (f"trust.reward_modules ({allowed or 'empty'}) allows "
+                                                              "functions defined at module level in those modules only")
+            try:  # one name after the colon: no attribute path through what an allowed module imported
+                module = split_reward_path(source.function)[0]
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}; {only}") from None
             if not any(module == prefix or module.startswith(f"{prefix}.") for prefix in allowed):
                 raise ValueError(
-                    f"train.reward_funcs[{i}].function: module {module!r} is not in trust.reward_modules "
-                    f"({allowed or 'empty'}); not imported. To allow it, add its package to trust.reward_modules "
-                    f"in params.yaml (a run's overrides cannot)")
-            try:  # a function defined at module level in that module: no name it imported, no attribute path
+                    f"{key}: module {module!r} is not in trust.reward_modules ({allowed or 'empty'}); not imported. "
+                    f"To allow it, add its package to trust.reward_modules in params.yaml (a run's overrides cannot)")
+            try:  # defined in that module, under that name: not a name it imported, not an alias
                 import_reward_function(source.function)
             except ValueError as err:
-                raise ValueError(f"train.reward_funcs[{i}].function: {err}; trust.reward_modules ({allowed}) allows "
-                                 "functions defined in those modules only") from None
+                raise ValueError(f"{key}: {err}; {only}") from None
         return self
 
     def rl_config(self) -> RLConfig:
