@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,18 +193,19 @@ def _logprobs(model, queries, responses, mask, share=False) -> torch.Tensor:
     return ops.selective_log_softmax(logits, responses) * mask
 
 
-def _run_trl(tmp_path: Path, case: dict) -> dict:
+def _run_trl(directory: Path, cases: list[dict]) -> list[dict]:
+    """TRL 1.16.0's side of `cases`, in its own venv, in one process."""
     if not TRL116_PYTHON.exists():
         pytest.fail(f"{TRL116_PYTHON} is missing: `make trl116` builds TRL 1.16.0's venv (make test does)")
-    torch.save(case, tmp_path / "case.pt")
+    torch.save(cases, directory / "cases.pt")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
-    done = subprocess.run([str(TRL116_PYTHON), str(ROOT / "tests" / "trl116_side.py"), str(tmp_path / "case.pt"),
-                           str(tmp_path / "out.pt")], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run([str(TRL116_PYTHON), str(ROOT / "tests" / "trl116_side.py"), str(directory / "cases.pt"),
+                           str(directory / "out.pt")], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(tmp_path / "out.pt")
+    return torch.load(directory / "out.pt")
 
 
-def _assert_grads_close(ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor], label: str) -> dict:
+def _grads_close(ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor], label: str) -> dict:
     assert set(ours) == set(trl), f"{label}: parameters differ"
     worst_abs = max((ours[k] - trl[k]).abs().max().item() for k in ours)
     scale = max(trl[k].abs().max().item() for k in trl)
@@ -213,8 +215,7 @@ def _assert_grads_close(ours: dict[str, torch.Tensor], trl: dict[str, torch.Tens
     return {"max_abs": worst_abs, "max_rel": worst_abs / scale}
 
 
-@pytest.fixture(scope="module")
-def trl_world(tmp_path_factory, tiny_config):
+def _world(tmp_path_factory, tiny_config):
     """The reference saved where TRL loads it from, and the policy moved away from it (so the KL is not 0)."""
     from rlhf_core.bench import word_tokenizer
     from rlhf_core.models import init_causal_lm
@@ -231,82 +232,92 @@ def trl_world(tmp_path_factory, tiny_config):
     return model_dir, ref.eval(), policy
 
 
+def _ours(algo, cfg: RLConfig, batch: Rollout, policy) -> dict:
+    """Our advantages, loss and gradients of one update on `batch` (one micro-batch: the whole mini-batch)."""
+    module = {"grpo": grpo, "rloo": rloo}[algo]
+    batch, _ = module.compute_advantages(batch, cfg)
+    policy.zero_grad()
+    out = PolicyAndValue(policy)(batch.queries, batch.query_mask, batch.responses, batch.response_mask,
+                                 TEMPERATURE, share_prompts=True, with_entropy=True)
+    loss, stats = module.loss(out, batch, cfg)
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in policy.named_parameters() if p.grad is not None}
+    return {"batch": batch, "loss": loss.detach(), "stats": stats, "grads": grads}
+
+
+def _case(algo, world, config: dict, old=None) -> dict:
+    model_dir, _, policy = world
+    queries, responses, mask, rewards = _episodes(policy.config.vocab_size)
+    return {"algo": algo, "model_dir": str(model_dir), "policy_state": policy.state_dict(),
+            "prompt_ids": queries.tolist(), "rewards": rewards, "old_logprobs": old,
+            "completion_ids": [row[:int(n)].tolist() for row, n in zip(responses, mask.sum(1), strict=True)],
+            "config": dict(num_generations=K, max_completion_length=R, temperature=TEMPERATURE,
+                           gradient_checkpointing=False, **config)}
+
+
 GRPO_CASES = [(loss_type, level) for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
               for level in ("token", "sequence")]
 
 
-@pytest.mark.parametrize("loss_type, level", GRPO_CASES)
-def test_grpo_update_equals_trl_1_16(loss_type, level, trl_world, tmp_path):
-    """One update's loss and gradients equal TRL 1.16.0's on the same weights, completions, rewards and old
-    log-probs (fp32 CPU), with beta, clip-higher, delta, truncated completions masked and the entropy mask on."""
-    model_dir, ref, policy = trl_world
+@pytest.fixture(scope="module")
+def trl_runs(tmp_path_factory, tiny_config) -> dict:
+    """Ours and TRL 1.16.0's update for every GRPO case and RLOO: {name: (ours, TRL's)}.
+
+    Same weights (the policy moved from the reference TRL loads), prompts, completions (some stop at EOS, some are
+    truncated), rewards (one group all equal) and, for GRPO, old log-probs off the policy's by noise, so the
+    ratios clip; beta 0.1, clip-higher, delta, truncated completions masked, the entropy mask on."""
+    world = _world(tmp_path_factory, tiny_config)
+    _, ref, policy = world
     queries, responses, mask, rewards = _episodes(policy.config.vocab_size)
-    options = dict(loss_type=loss_type, importance_sampling_level=level, scale_rewards="group", delta=1.25,
-                   top_entropy_quantile=0.6)
-    eps_high = 1.5 if loss_type == "cispo" else 0.28
-    cfg = RLConfig(algo="grpo", beta=0.1, epsilon=0.2, epsilon_high=eps_high, mask_truncated_completions=True,
-                   num_generations=K, response_length=R, temperature=TEMPERATURE, total_episodes=len(queries),
-                   per_device_train_batch_size=len(queries), gradient_accumulation_steps=1,
-                   local_rollout_forward_batch_size=len(queries), **options)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(7)
-        old = (_logprobs(policy, queries, responses, mask) + 0.2 * torch.randn(mask.shape, generator=g)) * mask
-        ref_logprobs = _logprobs(ref, queries, responses, mask)
     contains_stop = responses.eq(1).any(1)
-    batch = Rollout(queries=queries, query_mask=torch.ones_like(queries, dtype=torch.bool), responses=responses,
-                    response_mask=mask, logprobs=old, ref_logprobs=ref_logprobs, contains_stop=contains_stop,
-                    scores=rewards, in_loss=contains_stop)
-    batch, _ = grpo.compute_advantages(batch, cfg)
-    model = PolicyAndValue(policy)
-    policy.zero_grad()
-    out = model(queries, batch.query_mask, responses, mask, TEMPERATURE, share_prompts=True, with_entropy=True)
-    loss, stats = grpo.loss(out, batch, cfg)
-    loss.backward()
-    ours = {name: p.grad.detach().clone() for name, p in policy.named_parameters() if p.grad is not None}
-    assert stats["clip_ratio/region_mean" if loss_type != "cispo" else "cispo_clip_ratio"] > 0, \
-        "the case must clip somewhere"
-
-    trl = _run_trl(tmp_path, {
-        "algo": "grpo", "model_dir": str(model_dir), "policy_state": policy.state_dict(),
-        "prompt_ids": queries.tolist(), "rewards": rewards,
-        "completion_ids": [row[:int(n)].tolist() for row, n in zip(responses, mask.sum(1), strict=True)],
-        "old_logprobs": old,
-        "config": dict(num_generations=K, max_completion_length=R, temperature=TEMPERATURE, beta=0.1, epsilon=0.2,
-                       epsilon_high=eps_high, mask_truncated_completions=True, gradient_checkpointing=False,
-                       **options)})
-    torch.testing.assert_close(batch.advantages, trl["advantages"][:, None], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ref_logprobs, trl["ref_per_token_logps"] * mask, rtol=1e-5, atol=1e-5)
-    assert loss.item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-7)
-    figures = _assert_grads_close(ours, trl["grads"], f"{loss_type}/{level}")
-    print(f"grpo {loss_type}/{level}: loss {loss.item():.6g} vs {trl['loss'].item():.6g}, grads {figures}")
-
-
-def test_rloo_update_equals_trl_1_16(trl_world, tmp_path):
-    """RLOO (TRL's sequence-level KL in the reward, summed-log-prob ratio) against TRL 1.16.0's RLOOTrainer."""
-    model_dir, ref, policy = trl_world
-    queries, responses, mask, rewards = _episodes(policy.config.vocab_size)
-    cfg = RLConfig(algo="rloo", beta=0.1, epsilon=0.2, num_generations=K, response_length=R, kl_estimator="k1",
-                   temperature=TEMPERATURE, total_episodes=len(queries), per_device_train_batch_size=len(queries),
-                   gradient_accumulation_steps=1, local_rollout_forward_batch_size=len(queries), num_epochs=1)
     with torch.no_grad():
-        old = _logprobs(policy, queries, responses, mask, share=True)
+        current = _logprobs(policy, queries, responses, mask, share=True)
+        g = torch.Generator().manual_seed(7)  # off by token and by sequence: both importance levels clip
+        old = (current + 0.2 * torch.randn(mask.shape, generator=g) + 0.3 * torch.randn(len(mask), 1, generator=g))
+        old = old * mask
         ref_logprobs = _logprobs(ref, queries, responses, mask)
-    batch = Rollout(queries=queries, query_mask=torch.ones_like(queries, dtype=torch.bool), responses=responses,
-                    response_mask=mask, logprobs=old, ref_logprobs=ref_logprobs,
-                    contains_stop=responses.eq(1).any(1), scores=rewards)
-    batch, _ = rloo.compute_advantages(batch, cfg)
-    policy.zero_grad()
-    out = PolicyAndValue(policy)(queries, batch.query_mask, responses, mask, TEMPERATURE, share_prompts=True)
-    loss, _ = rloo.loss(out, batch, cfg)
-    loss.backward()
-    ours = {name: p.grad.detach().clone() for name, p in policy.named_parameters() if p.grad is not None}
-    trl = _run_trl(tmp_path, {
-        "algo": "rloo", "model_dir": str(model_dir), "policy_state": policy.state_dict(),
-        "prompt_ids": queries.tolist(), "rewards": rewards,
-        "completion_ids": [row[:int(n)].tolist() for row, n in zip(responses, mask.sum(1), strict=True)],
-        "config": dict(num_generations=K, max_completion_length=R, temperature=TEMPERATURE, beta=0.1, epsilon=0.2,
-                       gradient_checkpointing=False)})
-    torch.testing.assert_close(batch.advantages.view(-1), trl["advantages"].view(-1), rtol=1e-5, atol=1e-5)
-    assert loss.item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-6)
-    print(f"rloo: loss {loss.item():.6g} vs {trl['loss'].item():.6g}, grads "
-          f"{_assert_grads_close(ours, trl['grads'], 'rloo')}")
+    episodes = Rollout(queries=queries, query_mask=torch.ones_like(queries, dtype=torch.bool), responses=responses,
+                       response_mask=mask, logprobs=old, ref_logprobs=ref_logprobs, contains_stop=contains_stop,
+                       scores=rewards)
+    sizes = dict(response_length=R, temperature=TEMPERATURE, total_episodes=len(queries), num_epochs=1,
+                 per_device_train_batch_size=len(queries), gradient_accumulation_steps=1,
+                 local_rollout_forward_batch_size=len(queries))
+    ours, cases = {}, []
+    for loss_type, level in GRPO_CASES:
+        options = dict(loss_type=loss_type, importance_sampling_level=level, scale_rewards="group", delta=1.25,
+                       top_entropy_quantile=0.6, beta=0.1, epsilon=0.2,
+                       epsilon_high=1.2 if loss_type == "cispo" else 0.28, mask_truncated_completions=True)
+        cfg = RLConfig(algo="grpo", num_generations=K, **sizes, **options)
+        ours[f"{loss_type}/{level}"] = _ours("grpo", cfg, replace(episodes, in_loss=contains_stop), policy)
+        cases.append(_case("grpo", world, options, old=old))
+    # RLOO: TRL 1.16 puts the k1 KL of its own rollout log-probs in the reward, so ours takes the policy's too
+    cfg = RLConfig(algo="rloo", num_generations=K, beta=0.1, epsilon=0.2, kl_estimator="k1", **sizes)
+    ours["rloo"] = _ours("rloo", cfg, replace(episodes, logprobs=current), policy)
+    cases.append(_case("rloo", world, dict(beta=0.1, epsilon=0.2)))
+    trl = _run_trl(tmp_path_factory.mktemp("trl116-runs"), cases)
+    return {name: (ours[name], theirs) for name, theirs in zip(ours, trl, strict=True)}
+
+
+@pytest.mark.parametrize("name", [f"{loss_type}/{level}" for loss_type, level in GRPO_CASES])
+def test_grpo_update_equals_trl_1_16(name, trl_runs):
+    """One update's advantages, reference log-probs, loss and gradients equal TRL 1.16.0's (fp32 CPU)."""
+    ours, trl = trl_runs[name]
+    batch, stats = ours["batch"], ours["stats"]
+    assert stats["cispo_clip_ratio" if name.startswith("cispo") else "clip_ratio/region_mean"] > 0, \
+        "the case must clip somewhere"
+    torch.testing.assert_close(batch.advantages, trl["advantages"][:, None], rtol=1e-5, atol=1e-6)
+    # TRL drops a truncated completion from the attention mask too (mask_truncated_completions): compare the rest
+    kept = batch.loss_mask
+    torch.testing.assert_close(batch.ref_logprobs * kept, trl["ref_per_token_logps"] * kept, rtol=1e-5, atol=1e-5)
+    assert ours["loss"].item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-7)
+    figures = _grads_close(ours["grads"], trl["grads"], name)
+    print(f"grpo {name}: loss {ours['loss'].item():.6g} vs {trl['loss'].item():.6g}, gradients {figures}")
+
+
+def test_rloo_update_equals_trl_1_16(trl_runs):
+    """RLOO (the sequence's k1 KL in the reward, the summed-log-prob ratio) against TRL 1.16.0's RLOOTrainer."""
+    ours, trl = trl_runs["rloo"]
+    torch.testing.assert_close(ours["batch"].advantages.view(-1), trl["advantages"].view(-1), rtol=1e-5, atol=1e-5)
+    assert ours["loss"].item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-6)
+    figures = _grads_close(ours["grads"], trl["grads"], "rloo")
+    print(f"rloo: loss {ours['loss'].item():.6g} vs {trl['loss'].item():.6g}, gradients {figures}")

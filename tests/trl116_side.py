@@ -1,13 +1,15 @@
 """TRL 1.16.0's side of tests/test_grpo.py's equality checks; runs in .venv-trl116 (`make trl116`), never in ours.
 
-    python tests/trl116_side.py CASE.pt OUT.pt
+    python tests/trl116_side.py CASES.pt OUT.pt
 
-CASE.pt (written by the test): the algorithm ("grpo" or "rloo"), the TRL config's keyword arguments, a policy
+CASES.pt (written by the test): a list of cases (one process for all: importing TRL takes seconds), each with
+the algorithm ("grpo" or "rloo"), the TRL config's keyword arguments, a policy
 directory (the reference loads from it, as TRL's does) with the policy's current state dict, the prompt and
 completion ids of every episode (prompt-major, k per prompt), each completion's reward, and the old log-probs to
 force (the rollout's). The completions go through TRL's own `_generate_and_score_completions` (its `_generate`
 replaced by one returning them; the reward function returns the given rewards), then `_compute_loss` and a
-backward. OUT.pt: TRL's inputs to the loss (advantages, masks, reference log-probs), the loss and every gradient.
+backward. OUT.pt: per case, TRL's inputs to the loss (advantages, masks, reference log-probs), the loss and every
+gradient.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 
-def main(case_path: str, out_path: str) -> None:
-    case = torch.load(case_path, weights_only=False)
+def main(cases_path: str, out_path: str) -> None:
     assert trl.__version__ == "1.16.0", trl.__version__
+    torch.save([run_case(case) for case in torch.load(cases_path, weights_only=False)], out_path)
+
+
+def run_case(case: dict) -> dict:
     torch.manual_seed(0)
     algo, prompts, completions = case["algo"], case["prompt_ids"], case["completion_ids"]
     tokenizer = AutoTokenizer.from_pretrained(case["model_dir"])
@@ -55,6 +60,7 @@ def main(case_path: str, out_path: str) -> None:
             return prompts, completions, None, text, None, {}, None, None
 
         trainer._generate = forced_generate
+        trainer.current_gradient_accumulation_steps = 1  # what Trainer's loop sets: one micro-batch per step
         trainer.model.train()
         inputs = trainer._generate_and_score_completions(rows)
         old = case.get("old_logprobs")
@@ -67,8 +73,8 @@ def main(case_path: str, out_path: str) -> None:
         loss.backward()
         grads = {name: p.grad.detach().clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
     keep = ("advantages", "completion_mask", "ref_per_token_logps", "old_per_token_logps", "num_items_in_batch")
-    torch.save({"loss": loss.detach(), "grads": grads,
-                **{k: v.detach() for k, v in inputs.items() if k in keep and isinstance(v, torch.Tensor)}}, out_path)
+    return {"loss": loss.detach(), "grads": grads,
+            **{k: v.detach() for k, v in inputs.items() if k in keep and isinstance(v, torch.Tensor)}}
 
 
 if __name__ == "__main__":
