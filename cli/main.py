@@ -40,6 +40,7 @@ def _root(_version: Annotated[bool, typer.Option("--version", callback=_print_ve
 class Algo(str, Enum):
     ppo = "ppo"
     rloo = "rloo"
+    grpo = "grpo"
 
 
 @app.command()

@@ -4,7 +4,8 @@ Random-init GPT-NeoX (hidden 128, 4 layers, 4 heads, intermediate 512, vocab 204
 a word-level tokenizer with [PAD]=0 and [EOS]=1, 512 random prompts of 48 tokens, responses of 24
 tokens at temperature 0.7 stopping at EOS, missing-EOS penalty 1.0, fp32, seed 0, lr 1e-5, and
 separate value and reward models of the same shape. PPO: 64 episodes per update (16 x 4 gradient
-accumulation), 1 mini-batch, 4 epochs. RLOO: 32 prompts x k=2, one optimization pass. kl_coef 0.05.
+accumulation), 1 mini-batch, 4 epochs. RLOO: 32 prompts x k=2, one optimization pass. kl_coef 0.05. GRPO: TRL 1.16
+GRPOConfig's defaults: 8 prompts x num_generations 8, beta 0 (no reference model), loss dapo, one pass.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def bench_config(algo: str, updates: int) -> RLConfig:
     if algo == "ppo":
         return RLConfig(**common, per_device_train_batch_size=16, gradient_accumulation_steps=4,
                         num_mini_batches=1, num_epochs=4)
+    if algo == "grpo":
+        return RLConfig(**{**common, "kl_coef": 0.0}, per_device_train_batch_size=16, gradient_accumulation_steps=4,
+                        num_mini_batches=1, num_epochs=1, grpo={"num_generations": 8})
     return RLConfig(**common, per_device_train_batch_size=16, gradient_accumulation_steps=4, num_mini_batches=1,
                     num_epochs=1, rloo={"rloo_k": 2})
 
@@ -102,7 +106,7 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
     generation = forward(policy, n * P + B * (R - 1), n + B * (R - 1), lm_head=True)  # n = B when k is 1
     policy_forward = logprob_forward(trainer.share_prompts)
     rollout_policy = 0 if trainer._sampling_logprobs_exact else policy_forward
-    reference_forward = logprob_forward(k > 1)  # the reference always shares prompts that are shared
+    reference_forward = logprob_forward(k > 1) if cfg.uses_reference else 0  # shares prompts that are shared
     value_forward = 0 if value is None else forward(value, B * (P + R), B * (R + 1))
     reward = getattr(trainer.scorer, "model", None)
     reward_forward = 0 if reward is None else (forward(reward, n * P + B * R, B * R) if k > 1
