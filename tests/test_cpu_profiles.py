@@ -8,14 +8,14 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from test_flow import BIN, base_env, pipeline_repo  # noqa: F401 (a fixture)
 from test_lora import GPU_GUIDE_COMMANDS as LORA_COMMANDS  # the LoRA commands, mapped beside their tests
 
-from tasks.common.launcher import MODEL_STAGES
+from tasks.common.launcher import LAUNCHED_ENV, MODEL_STAGES, launch_command
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -110,8 +110,26 @@ def test_every_launch_command_in_the_gpu_guide_is_run_by_a_test():
             assert (REPO / config).is_file(), config
 
 
-def test_the_cpu_profiles_run_every_model_stage_on_two_processes():
-    for name, engine in (("cpu-ddp", None), ("cpu-zero3", "infra/accelerate/deepspeed_zero3.yaml")):
-        runtime = yaml.safe_load((REPO / "profiles" / f"{name}.yaml").read_text())["runtime"]
-        assert runtime["num_processes"] == 2 and runtime["device"] == "cpu", name
-        assert runtime.get("accelerate_config") == engine, name
+def test_the_cpu_profiles_run_every_model_stage_on_two_processes(monkeypatch):
+    """What `rlhf stage NAME --profile P` launches, from the repository's params.yaml under each CPU profile, as the
+    CLI computes it (`load_params`, then `launch_command`): every model stage on 2 processes through its launcher
+    (torchrun's gloo world for cpu-ddp, accelerate with the ZeRO-3 config for cpu-zero3), every other stage in the
+    calling process. The whole flow under cpu-zero3 (above) records the same 2 ranks in each model stage's metrics."""
+    from tasks.common.params import load_params
+
+    monkeypatch.delenv(LAUNCHED_ENV, raising=False)  # as `rlhf stage` starts: not yet a launched rank
+    monkeypatch.chdir(REPO)  # the profile names its accelerate config relative to the workspace
+    launchers = {"cpu-ddp": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"],
+                 "cpu-zero3": ["-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+                               "--config_file", "infra/accelerate/deepspeed_zero3.yaml"]}
+    for profile, launcher in launchers.items():
+        runtime = load_params(REPO, profile).runtime
+        for stage in [*MODEL_METRICS, "prepare", "validate", "register"]:
+            command = launch_command(runtime, stage, ["--profile", profile])
+            if stage not in MODEL_METRICS:
+                assert command is None, (profile, stage, command)
+                continue
+            assert command is not None, f"{profile}: stage {stage} runs in one process"
+            assert command[0] == sys.executable and command[1:1 + len(launcher)] == launcher, (profile, stage, command)
+            assert command[command.index(str(BIN / "rlhf")):] == [str(BIN / "rlhf"), "stage", stage, "--profile",
+                                                                  profile], (profile, stage, command)
