@@ -1,4 +1,6 @@
-"""Ours against TRL 1.9.0 on exactly the same work, side by side: PPO and RLOO episodes/s and peak memory.
+"""Ours against TRL on exactly the same work, side by side: PPO and RLOO episodes/s and peak memory; PPO against
+TRL 1.9.0 (the last TRL with PPO), RLOO against 1.9.0 and 1.16.0; ours with `train.decode_graphs` off and, on CUDA,
+auto (CUDA graphs in the rollout).
 
     python bench/vs_trl.py --device cpu                       # bench-tiny, fp32, on this machine
     python bench/vs_trl.py --device cuda --shapes pythia-1b   # Pythia-1B shapes, bf16, on one GPU
@@ -6,9 +8,13 @@
 One workload is written once (model shapes and initial weights, tokenizer, prompts, spec.json) and both sides
 load it: same weights, prompts, response length, batch split (16 x 4), epochs, temperature, EOS handling,
 KL coefficient and precision. Each side runs in its own process under `accelerate launch` with the same
-flags; TRL runs in its own environment (created on first use under bench/.trl-venv with trl==1.9.0 and this
+flags (ours runs all its `--decode-graphs` modes of one algorithm in one process, on the models loaded once);
+TRL runs in its own environment (created on first use under bench/.trl-venv with trl==1.9.0 and this
 environment's torch, transformers and accelerate versions, or `--trl-python` / `--trl-pythonpath` for a
-machine without internet). By default our side runs in that same environment too (`--ours-env shared`, the
+machine without internet). TRL 1.16.0 needs nothing that environment lacks (its requirements: accelerate
+>= 1.10.1, transformers >= 4.56.2, datasets >= 4.7), so its environment is the same interpreter with trl 1.16.0
+alone installed first on PYTHONPATH (bench/.trl116, `pip install --no-deps --target`, or `--trl116-pythonpath`):
+the mechanism the GPU machine uses for its carried wheels. By default our side runs in that same environment too (`--ours-env shared`, the
 repository on PYTHONPATH: `rlhf_core` needs nothing TRL's environment lacks), so both sides import the same
 packages: transformers imports some optional packages whenever they are installed (scipy.optimize, +36 MiB of
 RSS, comes with MLflow into the project's environment), which would otherwise be counted against one side.
@@ -35,6 +41,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_VERSION = "1.9.0"
+TRL116_VERSION = "1.16.0"
+PEERS = {"trl": TRL_VERSION, "trl116": TRL116_VERSION}
+"""Side name -> TRL version; 1.16.0 has no PPO (it left for trl.experimental, then TRL)."""
 
 # GPT-NeoX shapes: bench-tiny is `rlhf bench`'s world; pythia-1b is EleutherAI/pythia-1b's architecture.
 SHAPES = {
@@ -56,8 +65,15 @@ def workload_spec(shapes: str, updates: int, gradient_checkpointing: bool) -> di
             "eos_token_id": 1, "gradient_checkpointing": gradient_checkpointing}
 
 
-def write_workload(spec: dict, target: Path) -> None:
-    """Initial weights (policy; reward model = value model init), tokenizer and prompts, saved once for both."""
+def write_workload(spec: dict, target: Path, weights_from: Path | None = None) -> None:
+    """Initial weights (policy; reward model = value model init), tokenizer and prompts, saved once for both.
+    `weights_from`: a workload of the same shapes written before, linked instead (a 1B model's save: 5-9 s)."""
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "spec.json").write_text(json.dumps(spec, indent=2))
+    if weights_from is not None:
+        for name in ("policy", "scorer", "prompts.json"):
+            (target / name).symlink_to((weights_from / name).resolve())
+        return
     import torch
 
     from rlhf_core.bench import word_tokenizer
@@ -76,7 +92,6 @@ def write_workload(spec: dict, target: Path) -> None:
     prompts = torch.randint(2, spec["model"]["vocab_size"], (spec["prompts"], spec["prompt_length"]),
                             generator=generator)
     (target / "prompts.json").write_text(json.dumps(prompts.tolist()))
-    (target / "spec.json").write_text(json.dumps(spec, indent=2))
 
 
 def trl_python(venv: Path) -> str:
@@ -93,32 +108,48 @@ def trl_python(venv: Path) -> str:
     return str(python)
 
 
-def side_commands(ours_env: str, peer: str, trl_pythonpath: str | None,
-                  ours_pythonpath: str | None) -> dict[str, tuple[str, Path, str | None]]:
+def trl116_site(target: Path) -> str:
+    """trl==1.16.0 alone in a folder, to put before TRL 1.9.0's environment on PYTHONPATH."""
+    if not (target / ".installed").exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade", "--target",
+                        str(target), f"trl=={TRL116_VERSION}"], check=True)
+        (target / ".installed").touch()
+        (target / ".gitignore").write_text("*\n")  # an install, not the repository's
+    return str(target)
+
+
+def side_commands(ours_env: str, peer: str, trl_pythonpath: str | None, ours_pythonpath: str | None,
+                  trl116_pythonpath: str | None = None) -> dict[str, tuple[str, Path, str | None]]:
     """(python, script, PYTHONPATH) of each side. `shared`: ours runs on TRL's interpreter and packages (TRL's
     PYTHONPATH too, where its wheels are unpacked), the repository first; `project`: on this interpreter."""
     if ours_env == "shared":
         python, extra = peer, ours_pythonpath or trl_pythonpath
     else:
         python, extra = sys.executable, ours_pythonpath or os.environ.get("PYTHONPATH")
-    return {"ours": (python, HERE / "vs_trl_ours.py", os.pathsep.join(filter(None, [str(ROOT), extra]))),
-            "trl": (peer, HERE / "vs_trl_peer.py", trl_pythonpath)}
+    sides = {"ours": (python, HERE / "vs_trl_ours.py", os.pathsep.join(filter(None, [str(ROOT), extra]))),
+             "trl": (peer, HERE / "vs_trl_peer.py", trl_pythonpath)}
+    if trl116_pythonpath:
+        sides["trl116"] = (peer, HERE / "vs_trl_peer.py", os.pathsep.join(filter(None, [trl116_pythonpath,
+                                                                                         trl_pythonpath])))
+    return sides
 
 
 def launch(python: str, script: Path, workload: Path, algo: str, device: str, precision: str,
-           pythonpath: str | None) -> dict:
-    """One side, one algorithm, launched as its users launch it; returns its RESULT line."""
+           pythonpath: str | None, *extra: str) -> list[dict]:
+    """One side launched as its users launch it, on one algorithm (ours: its decode_graphs modes, `extra`, in
+    turn); returns its RESULT lines."""
     cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
            "--mixed_precision", precision, "--dynamo_backend", "no", *(["--cpu", "--num_cpu_threads_per_process", str(os.cpu_count())] if device == "cpu" else []),
-           str(script), str(workload), algo]
+           str(script), str(workload), algo, *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
+    results = [json.loads(line.removeprefix("RESULT ")) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not results:
         raise RuntimeError(f"{script.name} {algo} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return results
 
 
 def steady_eps(result: dict, warmup: int) -> float:
@@ -127,29 +158,44 @@ def steady_eps(result: dict, warmup: int) -> float:
 
 
 def summarize(runs: list[dict], warmup: int) -> dict:
-    """Median over pairs, per algorithm and side, and our/TRL ratios: the ratio of the medians and, since a shared
-    machine drifts by tens of percent within a run, each pair's ratio (its two runs were side by side) and their
-    median. `runs` lists each algorithm's runs pair by pair."""
+    """Median over pairs, per algorithm and side (ours: `ours`, decode graphs off, and `ours_graphs`, auto; TRL:
+    `trl` 1.9.0 and `trl116` 1.16.0), and our/TRL ratios: our faster side against TRL's faster one, as the ratio
+    of the medians and, since a shared machine drifts by tens of percent within a run, each pair's ratio (its runs
+    were side by side) and their median; memory: that side of ours against that TRL's. `runs` lists each
+    algorithm's runs pair by pair."""
     out = {}
     for algo in sorted({r["algo"] for r in runs}):
         row, eps = {}, {}
-        for side in ("ours", "trl"):
+        for side in sorted({r["side"] for r in runs if r["algo"] == algo}, key=lambda x: (x.startswith("trl"), x)):
             mine = [r for r in runs if r["algo"] == algo and r["side"] == side]
             eps[side] = [steady_eps(r, warmup) for r in mine]
             memory_key = "peak_gpu_gib" if "peak_gpu_gib" in mine[0] else "peak_rss_mib"
             row[side] = {"episodes_per_s": statistics.median(eps[side]),
                          memory_key: statistics.median(r[memory_key] for r in mine),
-                         "runs": [round(e, 2) for e in eps[side]]}
-            if side == "ours":
+                         "runs": [round(e, 2) for e in eps[side]], "version": mine[0].get("version")}
+            if "phases_s" in mine[0]:
                 row[side]["phases_s"] = {k: statistics.median(r["phases_s"][k] for r in mine)
                                          for k in mine[0]["phases_s"]}
-        memory_key = next(k for k in row["ours"] if k.startswith("peak"))
-        row["speed_ratio"] = row["ours"]["episodes_per_s"] / row["trl"]["episodes_per_s"]
-        row["speed_ratio_per_pair"] = [ours / trl for ours, trl in zip(eps["ours"], eps["trl"], strict=True)]
+        ours = [s for s in row if not s.startswith("trl")]
+        theirs = [s for s in row if s.startswith("trl")]
+        if not ours or not theirs:
+            continue
+        best = max(ours, key=lambda s: row[s]["episodes_per_s"])
+        peer = max(theirs, key=lambda s: row[s]["episodes_per_s"])
+        memory_key = next(k for k in row[best] if k.startswith("peak"))
+        row["compared"] = [best, peer]
+        row["speed_ratio"] = row[best]["episodes_per_s"] / row[peer]["episodes_per_s"]
+        pairs = min(len(eps[s]) for s in row["compared"])
+        row["speed_ratio_per_pair"] = [max(eps[s][i] for s in ours) / max(eps[s][i] for s in theirs)
+                                       for i in range(pairs)]
         row["speed_ratio_median_of_pairs"] = statistics.median(row["speed_ratio_per_pair"])
-        row["memory_ratio"] = row["ours"][memory_key] / row["trl"][memory_key]
+        row["memory_ratio"] = row[best][memory_key] / row[peer][memory_key]
         out[algo] = row
     return out
+
+
+def sides_of(row: dict) -> list[str]:
+    return [k for k, v in row.items() if isinstance(v, dict) and "episodes_per_s" in v]
 
 
 def machine() -> str:
@@ -169,17 +215,17 @@ def markdown(summary: dict, args: argparse.Namespace, spec: dict) -> str:
     lines = [f"### {datetime.date.today()} · {spec['shapes']} · {args.device} · {args.precision} · "
              f"{args.pairs} pairs", "", f"Machine: {machine()}. Our side in the {args.ours_env} environment. "
              f"Command: `python bench/{Path(__file__).name} " + " ".join(sys.argv[1:]) + "`", "",
-             "| algo | ours ep/s | TRL ep/s | speed ×TRL | ×TRL per pair (median) | ours mem | TRL mem | mem ×TRL "
-             "| our phases (s/update) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| algo | side | ep/s | peak memory | runs | phases (s/update) |", "|---|---|---|---|---|---|"]
     for algo, row in summary.items():
-        key = next(k for k in row["ours"] if k.startswith("peak"))
-        unit = "GiB" if key == "peak_gpu_gib" else "MiB"
-        phases = ", ".join(f"{k} {v:.3f}" for k, v in row["ours"]["phases_s"].items())
-        lines.append(f"| {algo} | {row['ours']['episodes_per_s']:.2f} | {row['trl']['episodes_per_s']:.2f} | "
-                     f"{row['speed_ratio']:.2f} | {', '.join(f'{r:.2f}' for r in row['speed_ratio_per_pair'])} "
-                     f"({row['speed_ratio_median_of_pairs']:.2f}) | {row['ours'][key]:.1f} {unit} | "
-                     f"{row['trl'][key]:.1f} {unit} | {row['memory_ratio']:.2f} | {phases} |")
+        for side in sides_of(row):
+            key = next(k for k in row[side] if k.startswith("peak"))
+            unit = "GiB" if key == "peak_gpu_gib" else "MiB"
+            phases = ", ".join(f"{k} {v:.3f}" for k, v in row[side].get("phases_s", {}).items())
+            lines.append(f"| {algo} | {side} ({row[side].get('version') or 'ours'}) | {row[side]['episodes_per_s']:.2f} | "
+                         f"{row[side][key]:.1f} {unit} | {', '.join(map(str, row[side]['runs']))} | {phases} |")
+        lines.append(f"| {algo} | {row['compared'][0]} ×{row['compared'][1]} | **{row['speed_ratio']:.2f}** | "
+                     f"mem ×{row['memory_ratio']:.2f} | per pair "
+                     f"{', '.join(f'{r:.2f}' for r in row['speed_ratio_per_pair'])} | |")
     return "\n".join(lines)
 
 
@@ -196,6 +242,16 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--trl-python", default=None, help="python of an environment with trl==1.9.0")
     parser.add_argument("--trl-pythonpath", default=None, help="PYTHONPATH for TRL's side (wheels unpacked)")
+    parser.add_argument("--rloo-peers", nargs="+", choices=sorted(PEERS), default=["trl", "trl116"],
+                        help="TRL sides for RLOO: trl (1.9.0), trl116 (1.16.0); PPO has trl only")
+    parser.add_argument("--trl116-pythonpath", default=None,
+                        help="a folder with trl 1.16.0 alone (default: bench/.trl116, installed on first use)")
+    parser.add_argument("--decode-graphs", nargs="+", choices=["off", "auto"], default=None,
+                        help="our train.decode_graphs modes, one process (default: off auto on cuda, off on cpu)")
+    parser.add_argument("--workload-dir", type=Path, default=None,
+                        help="write the workload here and keep it (default: a temporary folder)")
+    parser.add_argument("--weights-from", type=Path, default=None,
+                        help="link the weights and prompts of a workload of the same shapes written before")
     parser.add_argument("--ours-env", choices=["shared", "project"], default="shared",
                         help="shared: our side in TRL's environment (same packages); project: in this one")
     parser.add_argument("--ours-pythonpath", default=None, help="PYTHONPATH for our side (default: inherited)")
@@ -204,29 +260,45 @@ def main() -> None:
     shapes = args.shapes or ("pythia-1b" if args.device == "cuda" else "bench-tiny")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "no")
     spec = workload_spec(shapes, args.updates, args.gradient_checkpointing)
+    graph_modes = args.decode_graphs or (["off", "auto"] if args.device == "cuda" else ["off"])
     peer = args.trl_python or trl_python(HERE / ".trl-venv")
-    runs = []
+    trl116 = None
+    if "rloo" in args.algos and "trl116" in args.rloo_peers:
+        trl116 = args.trl116_pythonpath or trl116_site(HERE / ".trl116")
+    runs, failed = [], []
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
-        workload = Path(tmp)
-        write_workload(spec, workload)
-        sides = side_commands(args.ours_env, peer, args.trl_pythonpath, args.ours_pythonpath)
+        workload = args.workload_dir or Path(tmp)
+        write_workload(spec, workload, args.weights_from)
+        sides = side_commands(args.ours_env, peer, args.trl_pythonpath, args.ours_pythonpath, trl116)
         for pair in range(args.pairs):
-            order = ["ours", "trl"] if pair % 2 == 0 else ["trl", "ours"]
-            for algo in args.algos:
-                for side in order:
-                    python, script, pythonpath = sides[side]
-                    result = launch(python, script, workload, algo, args.device, args.precision, pythonpath)
+            # ours: every algorithm and decode_graphs mode in one process; TRL: one process per version and algorithm
+            jobs = [("ours", ",".join(args.algos))] + [
+                (peer, algo) for algo in args.algos
+                for peer in (["trl"] if algo == "ppo" else [p for p in args.rloo_peers if p in sides])]
+            for side, algo in jobs if pair % 2 == 0 else jobs[::-1]:  # alternating which side goes first
+                python, script, pythonpath = sides[side]
+                extra = [",".join(graph_modes)] if side == "ours" else []
+                try:
+                    results = launch(python, script, workload, algo, args.device, args.precision, pythonpath, *extra)
+                except RuntimeError as error:  # recorded; the other sides still run
+                    print(error, file=sys.stderr, flush=True)
+                    failed.append({"side": side, "algo": algo, "error": str(error)[-2000:]})
+                    results = []
+                for result in results:
+                    result["side"] = result["side"] if side == "ours" else side
                     runs.append(result)
                     memory = {k: round(v, 1) for k, v in result.items() if k.startswith("peak")}
-                    print(f"pair {pair} {algo} {side}: {steady_eps(result, spec['warmup_updates']):.2f} episodes/s "
-                          f"{memory} {result.get('phases_s', '')}", file=sys.stderr, flush=True)
-                    if args.json:  # every finished run, so a run cut short keeps what it measured
-                        args.json.write_text(json.dumps({"spec": spec, "runs": runs}, indent=2))
+                    print(f"pair {pair} {result['algo']} {result['side']}: "
+                          f"{steady_eps(result, spec['warmup_updates']):.2f} episodes/s {memory} "
+                          f"{result.get('phases_s', '')}", file=sys.stderr, flush=True)
+                if args.json:  # every finished run, so a run cut short keeps what it measured
+                    args.json.write_text(json.dumps({"spec": spec, "runs": runs, "failed": failed}, indent=2))
     summary = summarize(runs, spec["warmup_updates"])
     if args.json:
-        args.json.write_text(json.dumps({"spec": spec, "runs": runs, "summary": summary}, indent=2))
+        args.json.write_text(json.dumps({"spec": spec, "runs": runs, "failed": failed, "summary": summary}, indent=2))
     print(json.dumps(summary, indent=2))
     print(markdown(summary, args, spec))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Our side of `bench/vs_trl.py`: `RLTrainer` on the same prepared workload as TRL's side, launched the same way
-(`accelerate launch --mixed_precision ... bench/vs_trl_ours.py WORKLOAD ALGO`). Prints one `RESULT {json}` line
-with the end time of every update, peak memory and the median seconds of each phase.
+(`accelerate launch --mixed_precision ... bench/vs_trl_ours.py WORKLOAD ALGO[,ALGO] [DECODE_GRAPHS[,...]]`).
+Each (algorithm, `train.decode_graphs`) pair runs in turn in this one process on the models loaded once (a 1B
+model's load dominates a short run), the trained weights put back to the loaded ones before each, a new trainer
+and optimizer each time. Prints one `RESULT {json}` line per run with the end time of every update, peak memory
+and the median seconds of each phase.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 import resource
 import sys
 import time
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -22,8 +26,9 @@ from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 
 
-def rl_config(spec: dict, algo: str) -> RLConfig:
+def rl_config(spec: dict, algo: str, decode_graphs: str = "off") -> RLConfig:
     return RLConfig(
+        decode_graphs=decode_graphs,
         algo=algo, seed=spec["seed"], learning_rate=spec["learning_rate"],
         total_episodes=spec["episodes_per_update"] * spec["updates"],
         per_device_train_batch_size=spec["per_device_train_batch_size"],
@@ -35,18 +40,30 @@ def rl_config(spec: dict, algo: str) -> RLConfig:
     )
 
 
-def main(workload: Path, algo: str) -> None:
+def main(workload: Path, algos: list[str], graph_modes: list[str]) -> None:
     spec = json.loads((workload / "spec.json").read_text())
-    cfg = rl_config(spec, algo)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runtime = Runtime(RuntimeConfig(device=device, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
                                     gradient_checkpointing=spec["gradient_checkpointing"]),
-                      gradient_accumulation_steps=cfg.gradient_accumulation_steps)
+                      gradient_accumulation_steps=spec["gradient_accumulation_steps"])
     policy = runtime.trainable(load_policy(workload / "policy"))
-    value = runtime.trainable(load_scorer_model(workload / "scorer")) if algo == "ppo" else None
+    value = runtime.trainable(load_scorer_model(workload / "scorer")) if "ppo" in algos else None
     reference = runtime.load_frozen(load_policy, workload / "policy")
     reward = runtime.load_frozen(load_scorer_model, workload / "scorer")
     prompts = json.loads((workload / "prompts.json").read_text())
+    loaded = {m: {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
+              for m in (policy, value) if m is not None} if len(algos) * len(graph_modes) > 1 else {}
+    for algo, decode_graphs in product(algos, graph_modes):
+        for model, state in loaded.items():
+            model.load_state_dict(state)
+        result = run(spec, rl_config(spec, algo, decode_graphs), runtime, policy, value if algo == "ppo" else None,
+                     reference, reward, prompts)
+        print("RESULT " + json.dumps(result), flush=True)
+        runtime.accelerator.free_memory()  # drops the last trainer's optimizer and prepared models
+
+
+def run(spec: dict, cfg: RLConfig, runtime: Runtime, policy, value, reference, reward, prompts) -> dict:
+    device = runtime.device.type if hasattr(runtime.device, "type") else str(runtime.device)
     ends: list[float] = []
 
     def clock(*_):
@@ -61,7 +78,9 @@ def main(workload: Path, algo: str) -> None:
         torch.cuda.reset_peak_memory_stats()
     history = trainer.train()
     steady = history[spec["warmup_updates"]:]
-    result = {"side": "ours", "algo": algo, "update_ends": ends, "episodes_per_update": spec["episodes_per_update"],
+    result = {"side": "ours" if cfg.decode_graphs == "off" else "ours_graphs", "algo": cfg.algo,
+              "decode_graphs": cfg.decode_graphs, "decode_graphs_used": trainer._decode_graphs,
+              "update_ends": ends, "episodes_per_update": spec["episodes_per_update"],
               "mixed_precision": runtime.accelerator.mixed_precision,
               "distributed_type": runtime.accelerator.distributed_type.value,
               "num_processes": runtime.accelerator.num_processes, "zero_stage": runtime.zero_stage,
@@ -77,8 +96,8 @@ def main(workload: Path, algo: str) -> None:
     peak = peak_matmul_flops(precision, device, n=8192 if device == "cuda" else 1024)
     result["model_tflop_per_s"] = update_flops(trainer, spec["prompt_length"]) / seconds / 1e12
     result["mfu"] = result["model_tflop_per_s"] * 1e12 / peak
-    print("RESULT " + json.dumps(result), flush=True)
+    return result
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2].split(","), (sys.argv[3] if len(sys.argv) > 3 else "off").split(","))

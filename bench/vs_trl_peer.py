@@ -1,4 +1,5 @@
-"""TRL 1.9.0's side of `bench/vs_trl.py`: its PPO (`trl.experimental.ppo`) or RLOO trainer on a prepared workload.
+"""TRL's side of `bench/vs_trl.py`: TRL 1.9.0's PPO (`trl.experimental.ppo`) or the RLOO trainer of TRL 1.9.0 or 1.16.0
+(the same `RLOOConfig` fields and `RLOOTrainer` arguments in both) on a prepared workload.
 
 Runs in TRL's own environment (only torch, transformers, accelerate, datasets and trl are imported), launched
 as a TRL user would: `accelerate launch --mixed_precision bf16 bench/vs_trl_peer.py WORKLOAD ALGO` (TRL 1.9.0's
