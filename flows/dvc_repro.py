@@ -153,17 +153,35 @@ def _error_chain(err: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool, "restored": bool}, or on
-    DVC's failure {"ran": false, "retry_reason": why a retry may fix it, or null}."""
+    DVC's failure {"ran": false, "retry_reason": why a retry may fix it, or null}.
+
+    DVC deletes a stage's outputs before running it. A stage that fails, or is stopped (Ctrl-C, SIGTERM, a cancel
+    from the UI: stop_stages), therefore gets its outputs of the last good run put back (_LastGood): the workspace
+    is as it was before the run, and dvc.lock (which DVC writes only on success) still describes it."""
     name, result_file = argv
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
+    # SIGTERM (stop_stages after its grace, or a kill of the group) goes to the stage too: this process lives on
+    # until the stage has exited, to put its outputs back, instead of dying first and leaving them deleted
+    signal.signal(signal.SIGTERM, lambda signum, frame: print("dvc_repro: SIGTERM; waiting for the stage to end",
+                                                               file=sys.stderr, flush=True))
     restored: list[str] = []
     try:
         with Repo(".") as repo:
             repo.scm_context.quiet = True  # no "git add dvc.lock" hint after every stage
             _note_run_cache_restores(repo, restored)
-            ran = repo.reproduce(name, single_item=True)
+            last_good = _LastGood(repo, name)
+            try:
+                ran = repo.reproduce(name, single_item=True)
+            except BaseException:
+                try:
+                    last_good.put_back()
+                except Exception as err:  # a cache without them (gc'd): the rerun makes them again
+                    print(f"dvc_repro: could not put back stage {name}'s last good outputs: {err}", file=sys.stderr)
+                raise
+            finally:
+                last_good.discard()
     except DvcException as err:  # DVC's own failure (its lock, a missing dep), or the stage command's exit
         print(f"dvc: {_error_chain(err)}", file=sys.stderr)
         cause = transient_cause(err)
@@ -172,6 +190,54 @@ def main(argv: list[str]) -> int:
     # a stage DVC restored from its run cache "ran" for DVC (dvc.lock rewritten) but its command did not run
     write_json(result_file, {"ran": bool(ran) and not restored, "restored": bool(restored)})
     return 0
+
+
+class _LastGood:
+    """A stage's outputs as dvc.lock records them, kept to be put back if its run does not succeed: the cached ones
+    are in DVC's cache already (`dvc checkout` of the stage brings them back); the `cache: false` ones (metrics
+    JSON, small) are copied aside first. Nothing is kept for a stage that has no dvc.lock entry yet."""
+
+    def __init__(self, repo, name: str):
+        self.repo, self.name, self.copies = repo, name, None
+        try:
+            [stage] = repo.stage.collect(name)
+        except Exception:  # not a stage of dvc.yaml: reproduce says so
+            self.stage = None
+            return
+        self.stage = stage if stage.outs and all(out.hash_info for out in stage.outs) else None
+        if self.stage is None:
+            return
+        self.copies = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-last-good-"))
+        for i, out in enumerate(o for o in stage.outs if not o.use_cache):
+            path = Path(out.fs_path)
+            if path.is_dir():
+                shutil.copytree(path, self.copies / str(i) / path.name, symlinks=True)
+            elif path.exists():
+                (self.copies / str(i)).mkdir()
+                shutil.copy2(path, self.copies / str(i) / path.name)
+
+    def put_back(self) -> None:
+        if self.stage is None:
+            return
+        if any(out.use_cache for out in self.stage.outs):
+            self.repo.checkout(targets=[self.name], force=True)
+        for i, out in enumerate(o for o in self.stage.outs if not o.use_cache):
+            path, kept = Path(out.fs_path), self.copies / str(i) / Path(out.fs_path).name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+            if kept.is_dir():
+                shutil.copytree(kept, path, symlinks=True)
+            elif kept.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(kept, path)
+        print(f"dvc_repro: stage {self.name} did not finish: its outputs of the last good run (dvc.lock) are back",
+              file=sys.stderr, flush=True)
+
+    def discard(self) -> None:
+        if self.copies is not None:
+            shutil.rmtree(self.copies, ignore_errors=True)
 
 
 def _note_run_cache_restores(repo, restored: list[str]) -> None:
