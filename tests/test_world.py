@@ -1,9 +1,11 @@
 """The demo world: determinism, the gold reward, the datasets' contracts, and the tokenizer."""
 
+import dataclasses
 import json
 import random
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from conftest import world_tokenizer
@@ -193,8 +195,41 @@ def test_misstated_pair_fraction_makes_hard_negative_pairs():
         assert rejected.invented < chosen.invented, row
 
 
-def test_missing_eos_is_penalized():
-    assert gold_reward(PROMPT, REFERENCE, ended_with_eos=False) == pytest.approx(0.5)
+def test_a_completion_that_never_stopped_pays_the_missing_eos_penalty_and_nothing_else(world):
+    """Over the world's own texts (SFT drafts, flawed ones included, chosen and rejected answers): the same text
+    scores lower when generation ran out before EOS, through the breakdown's eos term alone (coverage and every other
+    penalty unchanged), by one penalty whatever the text, unless the total already sits at the floor of -1."""
+    rows = [(row["prompt"], row[key]) for split, keys in (("sft_eval", ("completion",)),
+                                                          ("prefs_eval", ("chosen", "rejected")))
+            for row in world[split] for key in keys]
+    penalties = set()
+    for prompt, completion in rows:
+        stopped, ran_on = gold_breakdown(prompt, completion), gold_breakdown(prompt, completion, ended_with_eos=False)
+        assert stopped.eos == 0.0 and dataclasses.replace(ran_on, eos=0.0) == stopped, (completion, stopped, ran_on)
+        assert gold_reward(prompt, completion, ended_with_eos=False) == ran_on.total
+        assert ran_on.total < stopped.total or stopped.total == -1.0, (completion, stopped.total, ran_on.total)
+        if ran_on.total > -1.0:
+            penalties.add(round(stopped.total - ran_on.total, 9))
+    assert len(penalties) == 1 and penalties.pop() > 0, "one penalty, whatever was said"
+
+
+def test_the_gold_monitor_reads_the_stop_from_the_rollout_not_from_the_text(tokenizer):
+    """GoldScorer, the gold reward training logs: two episodes decode to the same reference; one emitted EOS, the
+    other ran out of tokens. Only the second pays the missing-EOS penalty."""
+    from rlhf_core.rollout import Rollout
+    from rlhf_core.scoring import GoldScorer
+
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    said = tokenizer(REFERENCE, add_special_tokens=False)["input_ids"]
+    responses = torch.tensor([said + [tokenizer.eos_token_id], said + [tokenizer.pad_token_id]])  # (2, R)
+    response_mask = torch.ones_like(responses, dtype=torch.bool)
+    response_mask[1, -1] = False  # the second ran out at R - 1 tokens: no stop token, pad after
+    batch = Rollout(queries=torch.tensor([prompt, prompt]), query_mask=torch.ones(2, len(prompt), dtype=torch.bool),
+                    responses=responses, response_mask=response_mask, logprobs=torch.zeros(responses.shape),
+                    ref_logprobs=torch.zeros(responses.shape), contains_stop=torch.tensor([True, False]))
+    scores = GoldScorer(gold_reward, tokenizer)(batch).tolist()
+    assert scores == pytest.approx([gold_reward(PROMPT, REFERENCE), gold_reward(PROMPT, REFERENCE, ended_with_eos=False)])
+    assert scores[0] == pytest.approx(1.0) and scores[1] < scores[0]
 
 
 @pytest.mark.parametrize(
