@@ -259,33 +259,51 @@ def test_tracking_off_touches_no_store(tmp_path, monkeypatch):
     assert not (tmp_path / "mlflow.db").exists()
 
 
-def test_a_gpu_machine_logs_system_metrics_into_the_stage_run(mlflow_root, monkeypatch, tmp_path):
-    """Where nvidia-smi exists (here a stand-in: NVML then finds no GPU, and MLflow keeps its CPU, memory and
-    disk monitors), the stage run gets MLflow's system metrics; without it, none."""
+def test_a_gpu_machine_logs_system_metrics_through_the_queue_stopped_before_the_runs_end(mlflow_root, monkeypatch,
+                                                                                        tmp_path):
+    """Where nvidia-smi exists (here a stand-in: NVML then finds no GPU, and MLflow's CPU, memory and disk samplers
+    remain), the stage run gets system metrics, sampled by our thread and written through the run's queue (MLflow's
+    own monitor, which writes beside it, never runs); on a failed stage the sampler is stopped and its last sample
+    queued before the run's end. Without nvidia-smi no sampler exists at all."""
+    import threading
     import time
+
+    from tasks.common.stage_tracking import current_stage_run
+
+    def samplers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(("rlhf-system-metrics",
+                                                                           "SystemMetricsMonitor"))]
+
+    params, client = load_params(mlflow_root), get_client(mlflow_root)
+    seen = {}
+
+    def laptop() -> dict:
+        seen["laptop"] = samplers()
+        return {"a": 1}
+
+    track_stage("evaluate", mlflow_root, params, laptop)
+    assert seen["laptop"] == [], "no nvidia-smi: no sampler"
 
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
-    params, client = load_params(mlflow_root), get_client(mlflow_root)
-    keys = {}
-    from tasks.common.stage_tracking import current_stage_run
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
 
-    def sampled() -> dict:  # a stage that runs until the monitor has sampled once (a deadline, not a timing)
-        run_id, give_up = current_stage_run().run_id, time.monotonic() + 120
-        while not any(k.startswith("system/") for k in client.get_run(run_id).data.metrics):
+    def gpu_stage_that_fails() -> dict:  # runs until a sample is in MLflow (a deadline, not a timing), then fails
+        run = seen["run"] = current_stage_run()
+        seen["gpu"], give_up = samplers(), time.monotonic() + 120
+        while not any(k.startswith("system/") for k in client.get_run(run.run_id).data.metrics):
             assert time.monotonic() < give_up, "no system metric within 120 s"
-            time.sleep(0.1)
-        return {"a": 1}
+            time.sleep(0.05)
+        raise RuntimeError("out of memory")
 
-    for gpu in (False, True):
-        if gpu:
-            monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ['PATH']}")
-        # without nvidia-smi no monitor starts: 2 s of work, 4 of its sampling intervals, leave no system metric
-        track_stage("evaluate", mlflow_root, params, sampled if gpu else lambda: time.sleep(2.0) or {"a": 1})
-        [run] = client.search_runs([experiment_id(client, mlflow_root)], order_by=["attributes.start_time DESC"],
-                                   max_results=1)
-        keys[gpu] = {k for k in run.data.metrics if k.startswith("system/")}
-    assert keys[False] == set() and "system/cpu_utilization_percentage" in keys[True], keys
+    with pytest.raises(RuntimeError, match="out of memory"):
+        track_stage("evaluate", mlflow_root, params, gpu_stage_that_fails)
+    run = client.get_run(seen["run"].run_id)
+    assert seen["gpu"] == [f"rlhf-system-metrics-{run.info.run_id[:8]}"], "ours alone, not MLflow's monitor"
+    assert "system/cpu_utilization_percentage" in run.data.metrics and run.info.status == "FAILED"
+    assert samplers() == [], "stopped with the stage"
+    sent = list(seen["run"].tracker.sent)
+    assert sent[-1] == "the run's end (FAILED)", sent  # nothing after the end: the last sample came before it
