@@ -87,7 +87,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
     start = time.monotonic()
     try:
         # its own session: a terminal's Ctrl-C reaches only the flow, which stops the stage (stop_stages)
-        with log.open("wb") as out, subprocess.Popen(
+        with log.open("wb", buffering=0) as out, subprocess.Popen(  # unbuffered: the log reads as the stage runs
                 [sys.executable, "-m", "flows.dvc_repro", name, result_file], cwd=root, env=dict(env),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as proc:
             RUNNING.add(proc)

@@ -4,7 +4,8 @@ The stage runs in a `dvc repro` subprocess, where its bars (tasks/common/progres
 file named by RLHF_PROGRESS_FILE. While the stage runs, a thread of the flow reads that file every second and
 forwards what it finds: a log line at the first move, every tenth of the bar and the last
 ("train: update 3/8  reward 0.41  kl 0.02  episodes/s 12  length 7  (38%, eta 0:00:05)"), and the percentage
-to a progress artifact (key `rlhf-progress-<stage>`) that moves with it.
+to a progress artifact (key `rlhf-progress-<stage>`) that moves with it. A stage without a terminal writes
+those lines itself, into its log and the relay to this task's log, as they happen: they are not logged twice.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tasks.common.progress import PROGRESS_FILE_ENV
+from tasks.common.progress import PROGRESS_FILE_ENV, move_line, progress_label
 
 POLL_S = 1.0  # how often the file is read: a second's delay in the UI, one API call a second at most
 LOG_FRACTION = 0.1  # a log line each tenth of a bar (and its first and last moves)
@@ -32,11 +32,8 @@ log = logging.getLogger(__name__)
 
 def progress_line(stage: str, move: dict) -> str:
     """`train: update 3/8  reward 0.41 ...  (38%, eta 0:00:05)` from one move of a bar."""
-    done, total = float(move["done"]), float(move["total"]) or 1.0
-    eta = move.get("eta_s")
-    when = "" if eta is None else f", eta {timedelta(seconds=round(eta))}"
-    label = stage if move.get("bar", stage) == stage else f"{stage} ({move['bar']})"
-    return f"{label}: {move.get('info') or f'{done:g}/{total:g}'}  ({100 * done / total:.0f}%{when})"
+    return move_line(progress_label(stage, move.get("bar", stage)), float(move["done"]), float(move["total"]),
+                     move.get("info") or "", move.get("eta_s"))
 
 
 class _Follower:
@@ -67,6 +64,8 @@ class _Follower:
             self._artifact(moves[-1])
 
     def _log(self, move: dict) -> None:
+        if move.get("own_lines"):  # the stage wrote its progress lines itself: they are in the log with its output
+            return
         done, total = float(move["done"]), float(move["total"]) or 1.0
         due = self.logged is None or done >= total or done - self.logged >= LOG_FRACTION * total
         if due and done != self.logged:
@@ -77,7 +76,8 @@ class _Follower:
         percent = round(min(100.0, 100 * float(move["done"]) / (float(move["total"]) or 1.0)), 1)
         if percent == self.percent:
             return
-        description = f"{self.stage}: {move.get('bar', self.stage)} ({move.get('info') or ''})"
+        info = move.get("info") or f"{float(move['done']):g}/{float(move['total']):g}"
+        description = f"{progress_label(self.stage, move.get('bar', self.stage))}: {info}"  # "train: update 5/30 ..."
         try:
             if self.artifact is None:
                 self.artifact = create_progress_artifact(percent, key=f"rlhf-progress-{self.stage}",

@@ -3,8 +3,9 @@ and the summary at the end of `rlhf run`.
 
 rlhf_core knows nothing of rich: the stages hand it plain callbacks (`progress(step, logs)` of SFT and
 reward-model training, `on_batch(n)` of evaluation) or wrap its tracker (`ProgressTracker` for RL updates).
-Bars go to stderr, keeping stdout for the stage's JSON result. When stderr is not a terminal (a Prefect
-worker's log), rich prints each bar once, as it finished, instead of redrawing it.
+Bars go to stderr, keeping stdout for the stage's JSON result. When stderr is not a terminal (a log file, a
+Prefect worker's log, the flow's relay of `rlhf run > out.log`), a bar is plain lines instead, each flushed as it
+is written: the first move, one each tenth of the bar or half minute, and the last.
 
 Each bar also appends its moves, one JSON object a line, to the file named by RLHF_PROGRESS_FILE when the
 flow sets it (flows/progress.py forwards them to the Prefect task's log and a progress artifact): a side
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -54,50 +56,111 @@ def _columns():
             TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
 
 
+LINE_FRACTION = 0.1  # without a terminal, a progress line at each tenth of a bar,
+LINE_EVERY_S = 30.0  # or half a minute after the last one, whichever comes first (and the first and last moves)
+
+
+def progress_label(stage: str, bar: str) -> str:
+    """`train`, or `stage (bar)` when the bar is named otherwise (the bar of reward-model is "reward model")."""
+    return stage if bar.replace(" ", "-") == stage.replace(" ", "-") else f"{stage} ({bar})"
+
+
+def move_line(label: str, done: float, total: float, info: str, eta_s: float | None) -> str:
+    """`train: update 3/8  reward 0.41 ...  (38%, eta 0:00:05)`: one move of a bar as a line."""
+    from datetime import timedelta
+
+    when = "" if eta_s is None else f", eta {timedelta(seconds=round(eta_s))}"
+    return f"{label}: {info or f'{done:g}/{total:g}'}  ({100 * done / (total or 1.0):.0f}%{when})"
+
+
+class _Clock:
+    """Elapsed time and ETA from the rate of this process's own moves (a resumed run's first updates were done
+    before it started)."""
+
+    def __init__(self, total: float, completed: float):
+        self.total, self.completed, self.start = total, completed, time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def eta(self, done: float) -> float | None:
+        elapsed = self.elapsed()
+        rate = (done - self.completed) / elapsed if elapsed > 0 and done > self.completed else 0.0
+        return (self.total - done) / rate if rate > 0 else None
+
+
 @contextmanager
 def progress_bar(description: str, total: float, completed: float = 0,
                  enabled: bool = True) -> Iterator[Callable[..., None]]:
     """A bar with elapsed time and ETA; yields `update(completed, info="")` (a no-op when not `enabled`: the
-    other ranks of a launched stage draw none)."""
+    other ranks of a launched stage draw none). Without a terminal (a log file, a flow's relay), plain lines
+    instead, each written as it happens: rich would print the bar once, when it ends (a 16-minute SFT stage's
+    log stayed empty until then)."""
     if not enabled:
         yield lambda done, info="": None
         return
     from rich.console import Console
-    from rich.progress import Progress
 
+    clock = _Clock(total, completed)
     console = Console(stderr=True)
-    if not console.is_terminal:  # a log file: printed once at the end, at a width that fits the figures
-        console = Console(stderr=True, width=140)
-    with Progress(*_columns(), console=console, refresh_per_second=2) as progress, \
-            _progress_file(description, total, completed) as report:
-        bar = progress.add_task(description, total=total, completed=completed, info="")
+    lines = None if console.is_terminal else _Lines(description, total, clock)
+    with _progress_file(description, total, clock, own_lines=lines is not None) as report:
+        if lines is not None:
+            def update(done: float, info: str = "") -> None:
+                lines.write(done, info)
+                report(done, info)
 
-        def update(done: float, info: str = "") -> None:
-            progress.update(bar, completed=done, info=info)
-            report(done, info)
+            yield update
+            return
+        from rich.progress import Progress
 
-        yield update
+        with Progress(*_columns(), console=console, refresh_per_second=2) as progress:
+            bar = progress.add_task(description, total=total, completed=completed, info="")
+
+            def update(done: float, info: str = "") -> None:
+                progress.update(bar, completed=done, info=info)
+                report(done, info)
+
+            yield update
+
+
+class _Lines:
+    """A bar's moves as lines on stderr, flushed at once: the first move, one at each tenth of the bar or
+    LINE_EVERY_S after the last line, and the last."""
+
+    def __init__(self, description: str, total: float, clock: _Clock):
+        self.description, self.total, self.clock = description, total, clock
+        self.last, self.last_at = None, 0.0
+
+    def write(self, done: float, info: str) -> None:
+        now = time.monotonic()
+        due = self.last is None or done >= self.total or done - self.last >= LINE_FRACTION * self.total \
+            or now - self.last_at >= LINE_EVERY_S
+        if not due or done == self.last:
+            return
+        eta = self.clock.eta(done)
+        sys.stderr.write(move_line(self.description, done, self.total, info, eta) + "\n")
+        sys.stderr.flush()
+        self.last, self.last_at = done, now
 
 
 @contextmanager
-def _progress_file(description: str, total: float, completed: float) -> Iterator[Callable[[float, str], None]]:
-    """`report(done, info)` appending {"bar", "done", "total", "info", "elapsed_s", "eta_s"} lines to
-    RLHF_PROGRESS_FILE (a no-op without it). The ETA is from the rate of this process's own moves (a resumed
-    run's first updates were done before it started)."""
+def _progress_file(description: str, total: float, clock: _Clock,
+                   own_lines: bool) -> Iterator[Callable[[float, str], None]]:
+    """`report(done, info)` appending {"bar", "done", "total", "info", "elapsed_s", "eta_s", "own_lines"} lines
+    to RLHF_PROGRESS_FILE (a no-op without it). `own_lines`: the stage writes its progress lines itself (no
+    terminal), so they reach the flow's log with its output and the flow need not log them again."""
     path = os.environ.get(PROGRESS_FILE_ENV)
     if not path:
         yield lambda done, info: None
         return
-    start = time.monotonic()
     with open(path, "a", buffering=1) as out:  # line-buffered: each move is readable as soon as it is written
 
         def report(done: float, info: str) -> None:
-            elapsed = time.monotonic() - start
-            rate = (done - completed) / elapsed if elapsed > 0 and done > completed else 0.0
-            eta = (total - done) / rate if rate > 0 else None
+            eta = clock.eta(done)
             out.write(json.dumps({"bar": description, "done": done, "total": total, "info": info,
-                                  "elapsed_s": round(elapsed, 1), "eta_s": None if eta is None else round(eta, 1)})
-                      + "\n")
+                                  "elapsed_s": round(clock.elapsed(), 1),
+                                  "eta_s": None if eta is None else round(eta, 1), "own_lines": own_lines}) + "\n")
 
         yield report
 
