@@ -3,7 +3,7 @@
     python bench/gpu_report.py WORK OUT [--dry-run 0|1]   # writes OUT/gpu_check.json and OUT/gpu_check.md
     python bench/gpu_report.py --environment FILE         # the versions and the device, as JSON
 
-Each target of issue [2/6] is checked where its figures exist (None where the part did not get that far). Exits 0
+Each target of issue 39 ([1/6] of its series) is checked where its figures exist (None where the part did not get that far). Exits 0
 only when every part exited 0 and left its figures.
 """
 
@@ -22,11 +22,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from vs_trl import sides_of, summarize  # noqa: E402
+
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "trl", "datasets", "pydantic",
             "great_expectations")
-# On one H100 at Pythia-1B shapes (issue [2/6]); a dry run checks the arithmetic, not the figures
-TARGETS = {"ppo_speed_x_trl": 3.0, "rloo_speed_x_trl": 3.0, "memory_x_trl_max": 1.0,
-           "zero3_rollout_x_plain_max": 1.5, "approxkl_lr0_bf16_max": 1e-6}
+# On one H100 at Pythia-1B shapes (issue 39): PPO against TRL 1.9.0, RLOO against the faster of 1.9.0 and 1.16.0,
+# our faster decode_graphs mode; a dry run checks the arithmetic, not the figures
+TARGETS = {"ppo_speed_x_trl": 2.5, "rloo_speed_x_trl": 2.5, "memory_x_trl_max": 1.0,
+           "zero3_rollout_x_plain_max": 1.5, "approxkl_lr0_bf16_max": 1e-6, "decode_graphs_x_eager": 3.0}
 
 
 def environment() -> dict:
@@ -79,16 +83,11 @@ def vs_trl_summary(data: dict | None) -> dict | None:
     """Per algorithm: ours and TRL's steady episodes/s and peak memory, and our phases (bench/vs_trl.py)."""
     if not data or not data.get("runs"):
         return None
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vs_trl import summarize
 
-    warmup = data["spec"]["warmup_updates"]
-    complete = [a for a in {r["algo"] for r in data["runs"]}
-                if {r["side"] for r in data["runs"] if r["algo"] == a} == {"ours", "trl"}]
-    return summarize([r for r in data["runs"] if r["algo"] in complete], warmup) if complete else None
+    return summarize(data["runs"], data["spec"]["warmup_updates"]) or None  # algorithms with ours and a TRL side
 
 
-def targets(side_by_side: dict | None, tests: list[dict]) -> dict:
+def targets(side_by_side: dict | None, tests: list[dict], decode: dict | None = None) -> dict:
     """Each target with its measured value and whether it holds (None: not measured)."""
     out = {}
 
@@ -100,13 +99,17 @@ def targets(side_by_side: dict | None, tests: list[dict]) -> dict:
         put(f"{algo}_speed_x_trl", row and round(row["speed_ratio"], 2), lambda v, a=algo: v >= TARGETS[f"{a}_speed_x_trl"])
     memory = [row["memory_ratio"] for row in (side_by_side or {}).values()]
     put("memory_x_trl_max", round(max(memory), 2) if memory else None, lambda v: v <= TARGETS["memory_x_trl_max"])
-    plain = {a: row["ours"]["phases_s"]["rollout"] for a, row in (side_by_side or {}).items()}
+    plain = {a: row["ours"]["phases_s"]["rollout"] for a, row in (side_by_side or {}).items() if "ours" in row}
     zero3 = {t["algo"]: t["phases_s"]["rollout"] for t in tests if t.get("variant") == "zero3"}
     ratios = [zero3[a] / plain[a] for a in zero3 if a in plain]
     put("zero3_rollout_x_plain_max", round(max(ratios), 2) if ratios else None,
         lambda v: v <= TARGETS["zero3_rollout_x_plain_max"])
     kls = [t["approxkl_max"] for t in tests if t.get("test") == "in_process"]
     put("approxkl_lr0_bf16_max", max(kls) if kls else None, lambda v: v < TARGETS["approxkl_lr0_bf16_max"])
+    graphs = [decode[c]["decode_median_ms"] / decode[c]["decode_graphs_median_ms"] for c in ("ppo", "rloo")
+              if "decode_graphs_median_ms" in (decode or {}).get(c, {})]  # per rollout, so per step
+    put("decode_graphs_x_eager", round(min(graphs), 2) if graphs else None,
+        lambda v: v >= TARGETS["decode_graphs_x_eager"])
     return out
 
 
@@ -118,14 +121,17 @@ def markdown(report: dict) -> str:
              "| part | exit | seconds (limit) |", "|---|---|---|"]
     lines += [f"| {p['part']} | {p['exit']} | {p['seconds']} ({p['limit_s']}) |" for p in report["parts"]]
     if report.get("vs_trl"):
-        lines += ["", "| algo | ours ep/s | TRL ep/s | ×TRL | ours peak | TRL peak | mem ×TRL | our phases (s/update) |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| algo | side | ep/s | peak | our phases (s/update) |", "|---|---|---|---|---|"]
         for algo, row in report["vs_trl"].items():
-            key = next(k for k in row["ours"] if k.startswith("peak"))
-            phases = ", ".join(f"{k} {v:.3f}" for k, v in row["ours"]["phases_s"].items())
-            lines.append(f"| {algo} | {row['ours']['episodes_per_s']:.2f} | {row['trl']['episodes_per_s']:.2f} | "
-                         f"{row['speed_ratio']:.2f} | {row['ours'][key]:.1f} | {row['trl'][key]:.1f} | "
-                         f"{row['memory_ratio']:.2f} | {phases} |")
+            for side in sides_of(row):
+                key = next(k for k in row[side] if k.startswith("peak"))
+                phases = ", ".join(f"{k} {v:.3f}" for k, v in row[side].get("phases_s", {}).items())
+                lines.append(f"| {algo} | {side} ({row[side].get('version') or 'ours'}) | "
+                             f"{row[side]['episodes_per_s']:.2f} | {row[side][key]:.1f} | {phases} |")
+            lines.append(f"| {algo} | {row['compared'][0]} ×{row['compared'][1]} | **{row['speed_ratio']:.2f}** | "
+                         f"mem ×{row['memory_ratio']:.2f} | |")
+    for failure in report.get("vs_trl_failed") or []:
+        lines += ["", f"vs_trl: {failure['side']} {failure['algo']} failed: {failure['error'][-300:]}"]
     decode = report.get("decode")
     if decode:
         paths = [k[:-len("_median_ms")] for k in decode["ppo"] if k.endswith("_median_ms")]
@@ -137,6 +143,15 @@ def markdown(report: dict) -> str:
             speedups = ", ".join(f"{k[len('speedup_'):]} {v:.2f}" for k, v in row.items() if k.startswith("speedup_"))
             lines.append(f"| {case} | " + " | ".join(f"{row[p + '_median_ms']} ({row[p + '_first_ms']})"
                                                       for p in paths) + f" | {speedups} |")
+        lines += ["", "Agreement (rows identical to generate; max |Δ log-prob| on the same history; teacher-forced "
+                  "max |Δ| against the tolerance):", ""]
+        for case in ("ppo", "rloo"):
+            for dtype, per_path in decode[case].get("agreement", {}).items():
+                lines.append(f"- {case} {dtype}: " + "; ".join(
+                    f"{p} " + (f"rows {a['rows_identical']:.2f}, same-history {a['same_history_max']}, " if
+                               "rows_identical" in a else "") +
+                    f"forced {a['teacher_forced_max']:.2g} ({'within' if a['within_tolerance'] else 'OVER'} "
+                    f"{a['tolerance']})" for p, a in per_path.items()))
     if report.get("gpu_tests"):
         lines += ["", "| test | algo | variant | ep/s | peak GiB | approxkl max | clipfrac max | phases (s) |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -164,12 +179,14 @@ def report(work: Path, dry_run: bool) -> dict:
     tests = read_jsonl(work / "gpu_tests.jsonl")
     outcomes = junit(work / "gpu_tests.xml")
     side_by_side = vs_trl_summary(read_json(work / "vs_trl.json"))
+    decode = read_json(work / "decode.json")
     return {"dry_run": dry_run, "environment": read_json(work / "environment.json"),
             "parts": read_jsonl(work / "parts.jsonl"), "vs_trl": side_by_side,
             "vs_trl_runs": (read_json(work / "vs_trl.json") or {}).get("runs"),
-            "decode": read_json(work / "decode.json"),
+            "vs_trl_failed": (read_json(work / "vs_trl.json") or {}).get("failed"),
+            "decode": decode,
             "gpu_tests": tests, "gpu_test_outcomes": outcomes, "pipeline": read_json(work / "pipeline.json"),
-            "targets": targets(side_by_side, tests)}
+            "targets": targets(side_by_side, tests, decode)}
 
 
 def main() -> None:

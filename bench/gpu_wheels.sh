@@ -7,7 +7,9 @@
 # The image (the device tool's KINDS.md) has torch, accelerate, numpy, pandas, pyarrow, matplotlib, pytest,
 # huggingface-hub, tokenizers, safetensors, typer, rich, jinja2, narwhals, scipy...; it lacks pydantic,
 # ruamel.yaml, deepspeed, trl, datasets and Great Expectations, and its transformers (5.17) and peft are not
-# the versions tested here, so those come too. No Prefect, MLflow or DVC: the check runs every stage as DVC does
+# the versions tested here, so those come too. TRL 1.16.0, RLOO's second peer in bench/vs_trl.py, comes alone in
+# DEST/trl116 (bench/gpu_check.sh installs it in a folder of its own, before TRL 1.9.0's environment).
+# No Prefect, MLflow or DVC: the check runs every stage as DVC does
 # (`rlhf stage`) with tracking off.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,8 +41,9 @@ done
   --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any -d "$DEST.tmp" "${specs[@]}"
 # deepspeed is a pure-Python sdist whose setup imports torch: build it against this venv's torch, no ops compiled
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: -d "$DEST.tmp/trl116" "trl==1.16.0"
 DS_BUILD_OPS=0 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$DEST.tmp" \
   "deepspeed==$(installed_version deepspeed)"
 rm -rf "$DEST" && mv "$DEST.tmp" "$DEST"
 du -sh "$DEST" | awk '{print "wheels: " $1 " in '"$DEST"'"}'
-ls "$DEST"
+ls "$DEST" "$DEST/trl116"

@@ -71,7 +71,7 @@ def test_pythia_1b_shapes_train_in_bf16(algo, lora):
     reference = None if lora else runtime.frozen(reference)
     reward = runtime.frozen(reward)
     value = runtime.trainable(value) if algo == "ppo" else None
-    updates = 3
+    updates = 2  # one warm-up, one timed: the check's minutes go to the side-by-side runs
     cfg = RLConfig(algo=algo, total_episodes=64 * updates, per_device_train_batch_size=16,
                    gradient_accumulation_steps=4, num_epochs=4 if algo == "ppo" else 1,
                    local_rollout_forward_batch_size=64, response_length=shapes["response_length"], temperature=0.7,
@@ -100,11 +100,14 @@ def test_pythia_1b_shapes_train_in_bf16(algo, lora):
 
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory) -> Path:
-    """One saved workload (weights, prompts) for every DeepSpeed launch: at Pythia-1B shapes it is 8 GB to write."""
-    spec = workload_spec(SHAPE, updates=3, gradient_checkpointing=True)
+    """One saved workload (weights, prompts) for every DeepSpeed launch: at Pythia-1B shapes it is 8 GB to write, so
+    the weights of bench/vs_trl.py's workload are linked where bench/gpu_check.sh left one (RLHF_GPU_CHECK_WORKLOAD)."""
+    spec = workload_spec(SHAPE, updates=2, gradient_checkpointing=True)
     spec["learning_rate"] = 0.0
-    path = tmp_path_factory.mktemp("workload")
-    write_workload(spec, path)
+    path = tmp_path_factory.mktemp("workload") / "spec"
+    written = Path(os.environ.get("RLHF_GPU_CHECK_WORKLOAD", "/nonexistent"))
+    same = (written / "spec.json").is_file() and json.loads((written / "spec.json").read_text())["shapes"] == SHAPE
+    write_workload(spec, path, weights_from=written if same else None)
     return path
 
 
