@@ -199,7 +199,7 @@ def promote_version(version: Annotated[str, typer.Argument(help="The version to 
     """Move the champion alias to VERSION, recording who promoted it, when and why (the history is kept).
 
     A version the gate rejected at registration is promoted only with --force and a --reason."""
-    from tasks.common.registry import CHAMPION, DECISION_TAG, REASON_TAG, tag
+    from tasks.common.registry import CHAMPION, DECISION_TAG, REASON_TAG, champion_of, tag
     from tasks.stages.register import current_user, promote
 
     client, name = _client(), _model_name(name)
@@ -208,6 +208,10 @@ def promote_version(version: Annotated[str, typer.Argument(help="The version to 
         typer.echo(f"error: {name} has no version {version}; versions: {', '.join(sorted(found, key=int))}", err=True)
         raise typer.Exit(2)
     chosen = found[version]
+    champion = champion_of(client, name)
+    if champion is not None and str(champion.version) == version:  # no second "promoted" in its history
+        typer.echo(f"{name} v{version} is already the champion: nothing changed")
+        return
     decision = tag(chosen, DECISION_TAG)
     overrides = None
     if decision not in (None, CHAMPION):

@@ -334,3 +334,26 @@ def test_register_reruns_for_a_policy_instead_of_replaying_dvcs_run_cache(regist
     line = registry_verdict(root, report)
     assert "v1" in line and "champion is v2" in line, line
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=root)
+
+
+def test_promoting_the_champion_again_says_so_and_changes_nothing(mlflow_root, monkeypatch):
+    """`rlhf models promote 1` with v1 champion printed "champion v1 -> v1" and appended a second "promoted" to v1's
+    champion history at 2a5c0fd."""
+    client = get_client(mlflow_root)
+    client.create_registered_model(NAME)
+    client.create_model_version(NAME, source=str(mlflow_root / "policy"))
+    monkeypatch.chdir(mlflow_root)
+    runner = CliRunner()
+    first = runner.invoke(app, ["models", "promote", "1", "--name", NAME, "--reason", "first"])
+    assert first.exit_code == 0 and "champion (none) -> v1" in first.output, first.output
+    before = client.get_model_version(NAME, "1")
+    model_before = client.get_registered_model(NAME)
+
+    again = runner.invoke(app, ["models", "promote", "1", "--name", NAME, "--reason", "again"])
+    assert again.exit_code == 0, again.output
+    assert again.output.strip() == f"{NAME} v1 is already the champion: nothing changed", again.output
+    after = client.get_model_version(NAME, "1")
+    assert [e["reason"] for e in history(after)] == ["first"], history(after)
+    assert (after.tags, after.description) == (before.tags, before.description)
+    assert client.get_registered_model(NAME).description == model_before.description
+    assert client.get_registered_model(NAME).aliases == {"champion": 1}
