@@ -85,12 +85,22 @@ def _win_rate(a: Tensor, b: Tensor) -> float:
     return ((a > b).float() + 0.5 * (a == b).float()).mean().item()
 
 
+SCORE_COLUMNS = ("score_rm", "ref_score_rm", "kl", "score_gold", "ref_score_gold")  # a row's per-prompt figures
+
+
 @dataclass(frozen=True)
 class EvalReport:
     summary: dict[str, float]
     """Headline figures for the policy, with `ref_*` figures for the reference beside them."""
     rows: list[dict]
     """One record per prompt: both completions and their scores."""
+
+    def per_prompt_scores(self) -> dict[str, list[float]]:
+        """The per-prompt scores as columns, in prompt order (6 decimals): `score_rm`, `ref_score_rm`, `kl` and,
+        with a gold reward, `score_gold`, `ref_score_gold`. Policy and reference share a row, so a bootstrap over
+        prompts can pair them."""
+        keys = [k for k in SCORE_COLUMNS if self.rows and k in self.rows[0]]
+        return {k: [round(row[k], 6) for row in self.rows] for k in keys}
 
 
 def evaluate(policy: nn.Module, reference: nn.Module, tokenizer, prompts: Sequence[str], *, scorer: Scorer,

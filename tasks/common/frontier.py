@@ -18,6 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.common.frontier_uncertainty import (
+    KL_KEY,
+    LEVEL,
+    N_BOOT,
+    PER_PROMPT,
+    fit_intervals,
+    interval,
+    run_replicates,
+    setting_replicates,
+    verdict,
+)
+
 SEED_KEY = "base.seed"  # a grid over seeds gives replicates of a setting, averaged into one candidate
 FIGURES = ("win_rate_gold", "win_rate_rm", "mean_kl", "mean_score_gold", "ref_mean_score_gold", "mean_score_rm",
            "ref_mean_score_rm")
@@ -118,25 +130,57 @@ def gate_pick(cands: Sequence[dict], metric: str, max_kl: float, tie_margin: flo
                key=lambda c: (c["figures"]["mean_kl"], -c["figures"][metric]))
 
 
-def frontier(points: Sequence[dict], metric: str, max_kl: float, tie_margin: float = 0.0) -> dict:
+def frontier(points: Sequence[dict], metric: str, max_kl: float, tie_margin: float = 0.0, *,
+             n_boot: int = N_BOOT, level: float = LEVEL, seed: int = 0) -> dict:
     """The frontier report: every point, the candidates (settings averaged over seeds), the Gao fit of the gold
-    gain per algorithm (where a gold reward exists), and the gate's pick.
+    gain per algorithm over its settings (where a gold reward exists) with bootstrap intervals, the verdict on
+    over-optimization (frontier_uncertainty.verdict) and the gate's pick.
 
-    `points`: dicts with `grid` (the point's overrides), `algo`, `seed`, `experiment` and `figures` (its
-    metrics/eval.json). `metric`: the gate's primary metric (win_rate_gold, else win_rate_rm)."""
-    rows = [{**p, "sqrt_kl": math.sqrt(max(p["figures"]["mean_kl"], 0.0)), "gold_gain": gold_gain(p["figures"]),
-             "rm_gain": rm_gain(p["figures"])} for p in points]
-    fits = {}
-    for algo in sorted({p["algo"] for p in rows}):
-        mine = [p for p in rows if p["algo"] == algo and p["gold_gain"] is not None]
-        fit = fit_gao([p["figures"]["mean_kl"] for p in mine], [p["gold_gain"] for p in mine])
-        if fit is not None:
-            fits[algo] = asdict(fit)
+    `points`: dicts with `grid` (the point's overrides), `algo`, `seed`, `experiment`, `figures` (its
+    metrics/eval.json) and `per_prompt` (its reports/eval/scores.json, where kept: without it a point has no
+    interval and no fall can be told from noise). `metric`: the gate's primary
+    metric (win_rate_gold, else win_rate_rm). Each point's and each setting's gains carry `<gain>_ci`, the `level`
+    percentile interval of `n_boot` replicates over prompts (and seeds), drawn from `seed`."""
+    rng = np.random.default_rng(seed)
+    run_reps = run_replicates(points, n_boot, rng)
+    rows = [{**{k: v for k, v in p.items() if k != PER_PROMPT}, "sqrt_kl": math.sqrt(max(p["figures"]["mean_kl"], 0.0)),
+             "gold_gain": gold_gain(p["figures"]), "rm_gain": rm_gain(p["figures"]), **_intervals(reps, level)}
+            for p, reps in zip(points, run_reps, strict=True)]
     cands = candidates(points)
+    draws: dict = {}
+    cand_reps = []
+    for c in cands:
+        members = [reps for p, reps in zip(points, run_reps, strict=True) if setting_of(p["grid"]) == c["setting"]]
+        cand_reps.append(setting_replicates(members, [s["seed"] for s in c["seeds"]], draws, n_boot, rng))
+        c.update({"sqrt_kl": math.sqrt(max(c["figures"].get("mean_kl", 0.0), 0.0)), "gold_gain": gold_gain(c["figures"]),
+                  "rm_gain": rm_gain(c["figures"]), **_intervals(cand_reps[-1], level)})
+    kl_coefs = sorted({float(v) for p in points for k, _, v in (g.partition("=") for g in p["grid"]) if k == KL_KEY})
+    fits, verdicts = {}, {}
+    for algo in sorted({p["algo"] for p in rows}):
+        mine = [(c, r) for c, r in zip(cands, cand_reps, strict=True) if c["algo"] == algo and c["gold_gain"] is not None
+                and c["figures"].get("mean_kl") is not None]
+        if not mine:
+            continue
+        fit = fit_gao([c["figures"]["mean_kl"] for c, _ in mine], [c["gold_gain"] for c, _ in mine])
+        if fit is not None:
+            fits[algo] = {**asdict(fit), "dof": fit.n - 2}
+            fitted = [(c, r) for c, r in mine if c["figures"]["mean_kl"] > 0]
+            if all(r is not None and "gold" in r for _, r in fitted):
+                fits[algo].update(fit_intervals(np.stack([r["kl"] for _, r in fitted]),
+                                                np.stack([r["gold"] for _, r in fitted]), level))
+        verdicts[algo] = verdict([c for c, _ in mine], [r for _, r in mine], fits.get(algo), kl_coefs,
+                                 max(c["n"] for c, _ in mine), level)
     pick = gate_pick(cands, metric, max_kl, tie_margin)
-    return {"metric": metric, "max_kl": max_kl, "tie_margin": tie_margin, "points": rows, "candidates": cands,
-            "gao_fit": fits, "gate_pick": pick["setting"] if pick else None,
-            "gate_pick_figures": pick["figures"] if pick else None}
+    return {"metric": metric, "max_kl": max_kl, "tie_margin": tie_margin, "level": level, "n_boot": n_boot,
+            "points": rows, "candidates": cands, "gao_fit": fits, "verdict": verdicts,
+            "gate_pick": pick["setting"] if pick else None, "gate_pick_figures": pick["figures"] if pick else None}
+
+
+def _intervals(reps: dict | None, level: float) -> dict:
+    """`gold_gain_ci`, `rm_gain_ci`, `kl_ci` from a point's or a setting's replicates (None where unknown)."""
+    reps = reps or {}
+    return {f"{name}_ci": interval(reps[key], level) if key in reps else None
+            for name, key in (("gold_gain", "gold"), ("rm_gain", "rm"), ("kl", "kl"))}
 
 
 def plot_frontier(report: dict, target: Path) -> None:
@@ -168,25 +212,37 @@ def frontier_figure(report: dict):
         ax.scatter([0], [0], marker="s", color="grey", label="SFT reference", zorder=3)
         zoom = ax.inset_axes([0.5, 0.07, 0.46, 0.4]) if _points_crowd(report["points"], key) else None
         for algo, colour in colours.items():
-            mine = sorted((p for p in report["points"] if p["algo"] == algo and p[key] is not None),
-                          key=lambda p: p["sqrt_kl"])
-            picked = [p for p in mine if setting_of(p["grid"]) == report["gate_pick"]]
+            # one marker per setting (its seeds averaged) with its interval; each seed's run faded behind it
+            mine = sorted((c for c in report["candidates"] if c["algo"] == algo and c[key] is not None),
+                          key=lambda c: c["sqrt_kl"])
+            runs = [p for p in report["points"] if p["algo"] == algo and p[key] is not None] \
+                if any(c["n"] > 1 for c in mine) else []
+            picked = [c for c in mine if c["setting"] == report["gate_pick"]]
+            bars = [c for c in mine if c.get(f"{key}_ci")]
             fit = report["gao_fit"].get(algo) if key == "gold_gain" else None
             for target_ax in filter(None, (ax, zoom)):
-                target_ax.scatter([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, label=algo,
+                target_ax.scatter([p["sqrt_kl"] for p in runs], [p[key] for p in runs], color=colour, alpha=0.3,
+                                  s=12, zorder=2, label=f"{algo}: each seed" if runs else None)
+                target_ax.scatter([c["sqrt_kl"] for c in mine], [c[key] for c in mine], color=colour, label=algo,
                                   zorder=3, s=36 if target_ax is ax else 16)
-                target_ax.scatter([p["sqrt_kl"] for p in picked], [p[key] for p in picked], marker="*",
+                if bars:
+                    target_ax.errorbar([c["sqrt_kl"] for c in bars], [c[key] for c in bars],
+                                       yerr=_half_widths([c[key] for c in bars], [c[f"{key}_ci"] for c in bars]),
+                                       xerr=_half_widths([c["sqrt_kl"] for c in bars],
+                                                         [_sqrt_ci(c.get("kl_ci")) for c in bars]),
+                                       fmt="none", ecolor=colour, elinewidth=1, capsize=0, zorder=3,
+                                       label=_bar_label(report, bars))
+                target_ax.scatter([c["sqrt_kl"] for c in picked], [c[key] for c in picked], marker="*",
                                   s=260 if target_ax is ax else 120, facecolor="none", edgecolor="black", zorder=4,
                                   label="gate's pick" if algo == next(iter(colours)) or picked else None)
                 if fit:
                     d = np.linspace(0, reach, 400)
                     target_ax.plot(d, gao_curve(d, fit["alpha"], fit["beta"]), color=colour, linewidth=1,
-                                   label=f"{algo} fit: α={fit['alpha']:.3g}, β={fit['beta']:.3g}"
-                                   + (f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""))
+                                   label=_fit_label(algo, fit, report.get("verdict", {}).get(algo)))
                     if fit["peak_kl"]:
                         target_ax.axvline(math.sqrt(fit["peak_kl"]), color=colour, linestyle=":", linewidth=1)
             if zoom is not None:
-                zoom.plot([p["sqrt_kl"] for p in mine], [p[key] for p in mine], color=colour, linewidth=0.8,
+                zoom.plot([c["sqrt_kl"] for c in mine], [c[key] for c in mine], color=colour, linewidth=0.8,
                           linestyle="--" if fit else "-", zorder=2)
         if zoom is not None:
             _frame(zoom, report["points"], key)
@@ -204,6 +260,31 @@ def frontier_figure(report: dict):
     pick = f"; the gate picks {report['gate_pick']}" if report.get("gate_pick") else ""
     fig.suptitle(f"Reward–KL frontier of sweep {report.get('sweep', '')}{pick}", fontsize=10)
     return fig
+
+
+def _half_widths(values: Sequence[float], cis: Sequence[list | None]) -> np.ndarray:
+    """(2, n) distances from each value down and up to its interval's ends (0 where none): errorbar's xerr/yerr."""
+    return np.array([[v - ci[0], ci[1] - v] if ci else [0.0, 0.0] for v, ci in zip(values, cis, strict=True)]).T
+
+
+def _sqrt_ci(ci: list | None) -> list | None:
+    return None if ci is None else [math.sqrt(max(v, 0.0)) for v in ci]
+
+
+def _bar_label(report: dict, bars: Sequence[dict]) -> str:
+    over = "prompts and seeds" if any(c["n"] > 1 for c in bars) else "evaluation prompts"
+    return f"{report.get('level', LEVEL):.0%} interval (bootstrap over {over})"
+
+
+def _fit_label(algo: str, fit: dict, judged: dict | None) -> str:
+    """The fit in the legend, with its intervals where known and the verdict in a word."""
+    def value(name: str) -> str:
+        ci = fit.get(f"{name}_ci")
+        return f"{fit[name]:.3g}" + (f" [{ci[0]:.2g}, {ci[1]:.2g}]" if ci else "")
+
+    peak = f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""
+    said = "" if judged is None else ("; over-optimization" if judged["over_optimization"] else "; turn not shown")
+    return f"{algo} fit: α={value('alpha')}, β={value('beta')}{peak}{said}"
 
 
 def _points_crowd(points: Sequence[dict], key: str) -> bool:

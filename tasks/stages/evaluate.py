@@ -1,7 +1,11 @@
 """Stage `evaluate`: greedy completions of the trained and the reference (SFT) policy, scored by the reward
-model and, in the demo world, by the gold reward; metrics, a per-example table and plots."""
+model and, in the demo world, by the gold reward; metrics, a per-example table, the per-prompt scores (a sweep's
+bootstrap over prompts reads reports/eval/scores.json) and plots."""
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 from rlhf_core import chat
 from rlhf_core.greedy_eval import evaluate
@@ -16,6 +20,8 @@ from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.common.plots import plot_evaluation
 from tasks.common.progress import count_callback, progress_bar
+
+SCORES_FILE = "scores.json"  # in reports/eval/: each prompt's scores, policy and reference (a sweep's bootstrap)
 
 
 def run(params: Params, paths: Paths) -> dict:
@@ -40,6 +46,9 @@ def run(params: Params, paths: Paths) -> dict:
             row["prompt"] = original["prompt"]
     out = paths.reports / "eval"
     write_jsonl(out / "completions.jsonl", report.rows)
+    # the prompts' hash tells a sweep which points were scored on the same prompts (their bootstrap draws pair)
+    prompts_md5 = hashlib.md5(json.dumps([row["prompt"] for row in stored]).encode()).hexdigest()
+    write_json(out / SCORES_FILE, {"prompts_md5": prompts_md5, **report.per_prompt_scores()})
     history_file = paths.train_history
     plot_evaluation(report.rows, read_json(history_file) if history_file.is_file() else [], out)
     summary = {**report.summary, **runtime.layout}
