@@ -1,4 +1,5 @@
-"""`rlhf from-trl CONFIG.yaml`: a TRL PPO / RLOO recipe (TrlParser's `--config` file) as a profile."""
+"""`rlhf from-trl CONFIG.yaml`: a TRL PPO / RLOO (1.9) or GRPO (1.16) recipe (TrlParser's `--config` file) as a
+profile."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ import typer
 class TrlAlgo(str, Enum):
     ppo = "ppo"
     rloo = "rloo"
+    grpo = "grpo"
 
 
-def from_trl(config: Annotated[Path, typer.Argument(help="TRL's YAML config: PPOConfig / RLOOConfig, ModelConfig "
-                                                          "and ScriptArguments fields, as `--config` takes it.")],
+def from_trl(config: Annotated[Path, typer.Argument(help="TRL's YAML config: PPOConfig / RLOOConfig / GRPOConfig, "
+                                                          "ModelConfig and ScriptArguments fields, as `--config` "
+                                                          "takes it.")],
              out: Annotated[Path | None, typer.Option(help="Write the profile here (e.g. profiles/NAME.yaml; "
                                                            "`rlhf run --profile NAME` reads profiles/). Without it, "
                                                            "the profile is printed.")] = None,
-             algo: Annotated[TrlAlgo | None, typer.Option(help="The trainer (default: told by the fields).")] = None,
+             algo: Annotated[TrlAlgo | None, typer.Option(help="The trainer (default: told by the fields; RLOO "
+                                                                "and GRPO share most: say which when only those "
+                                                                "are set).")] = None,
              accelerate_config: Annotated[Path | None, typer.Option(help="The accelerate config the recipe was "
                                                                          "launched with (processes, precision, "
                                                                          "DeepSpeed).")] = None,
@@ -30,8 +35,8 @@ def from_trl(config: Annotated[Path, typer.Argument(help="TRL's YAML config: PPO
                                                                        "sets its length in epochs.")] = None,
              force: Annotated[bool, typer.Option(help="Overwrite --out.")] = False,
              ) -> None:
-    """Turn a TRL PPO or RLOO recipe into a profile: the same batches, steps and schedule, and each behaviour that
-    still differs with the setting that reproduces TRL's.
+    """Turn a TRL PPO, RLOO or GRPO recipe into a profile: the same batches, steps and schedule, and each behaviour
+    that still differs with the setting that reproduces TRL's.
 
     Exit status: 0 written (warnings are printed), 2 the config cannot be converted.
     """

@@ -227,7 +227,8 @@ def test_rloo_recipe_keeps_trls_generation_steps_and_schedule(params_dir, warmup
         path = params_dir / "rloo.yaml"
         path.write_text(yaml.safe_dump(recipe))
     rows, world = 3622, 8  # train[:5%] of NuminaMath-TIR; deepspeed_zero3.yaml's processes
-    result, params = from_trl(params_dir, path, "--accelerate-config", str(ZERO3), "--train-rows", str(rows))
+    result, params = from_trl(params_dir, path, "--algo", "rloo", "--accelerate-config", str(ZERO3), "--train-rows",
+                              str(rows))
     P, G = 8, recipe["gradient_accumulation_steps"]  # P: TrainingArguments' default
     S, iterations, k, epochs = recipe["steps_per_generation"], 1, 2, 3.0
     generation_batch_size = P * world * S
@@ -276,7 +277,7 @@ def test_a_recipe_sized_in_epochs_needs_the_train_rows(params_dir):
 
     from cli.main import app
 
-    result = CliRunner().invoke(app, ["from-trl", str(RECIPES / "rloo.yaml")])
+    result = CliRunner().invoke(app, ["from-trl", str(RECIPES / "rloo.yaml"), "--algo", "rloo"])
     assert result.exit_code == 2 and "--train-rows" in result.output, result.output
 
 
@@ -361,7 +362,7 @@ def test_the_recipes_are_what_trls_parser_reads_and_rloos_derived_sizes_agree(pa
     assert ppo_model.model_name_or_path == "EleutherAI/pythia-1b-deduped"
     _, rloo, _, _ = _trl_parse(RECIPES / "rloo.yaml")
     # RLOOConfig derives its generation batch itself (one process here): the converted profile agrees
-    _, params = from_trl(params_dir, RECIPES / "rloo.yaml", "--num-processes", str(rloo.world_size),
+    _, params = from_trl(params_dir, RECIPES / "rloo.yaml", "--algo", "rloo", "--num-processes", str(rloo.world_size),
                          "--train-rows", "3622")
     plan = _our_plan(params)
     assert plan.batch_size == rloo.generation_batch_size == 64
@@ -401,3 +402,173 @@ def test_the_default_tables_are_trl_1_9s():
                *trl_fields.SCRIPT_ARGS, *trl_fields.BOOKKEEPING}
     for cls in (PPOConfig, RLOOConfig, ModelConfig, RLOOScriptArguments, DatasetMixtureConfig):
         assert not {f.name for f in dataclasses.fields(cls)} - covered, cls.__name__
+
+
+# -- GRPO: TRL 1.16.0 recipes ----------------------------------------------------------------------------------------
+# TRL 1.16.0's GRPO (trl/trainer/grpo_config.py __post_init__, grpo_trainer.py): the generation, sampler and optimizer
+# steps are RLOO's above; its own fields (loss_type, scale_rewards, importance_sampling_level, ...) and defaults
+# (num_generations 8, beta 0, max_completion_length 512) differ. TRL 1.16 runs in its own venv (`make trl116`).
+
+TRL116_PYTHON = REPO / ".venv-trl116" / "bin" / "python"
+GRPO_RECIPES = ("gspo.yaml", "grpo_tldr.yaml")
+TRL116_SIDE = '''
+import dataclasses, json, sys
+from transformers import TrainingArguments
+from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig
+from trl.scripts.grpo import GRPOScriptArguments, make_parser
+
+def defaults(cls):
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+out = {"grpo": defaults(GRPOConfig), "model": defaults(ModelConfig), "script": defaults(GRPOScriptArguments),
+       "training_args": sorted(f.name for f in dataclasses.fields(TrainingArguments)),
+       "fields": sorted({f.name for cls in (GRPOConfig, ModelConfig, GRPOScriptArguments, DatasetMixtureConfig)
+                         for f in dataclasses.fields(cls)}), "parsed": {}}
+for recipe in sys.argv[2:]:
+    _, args, model, _ = make_parser().parse_args_and_config(args=["--config", recipe, "--bf16", "false"])
+    out["parsed"][recipe] = {k: getattr(args, k) for k in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
+        "num_generations", "num_iterations", "beta", "epsilon", "epsilon_high", "max_completion_length", "loss_type",
+        "scale_rewards", "importance_sampling_level", "world_size", "learning_rate")}
+with open(sys.argv[1], "w") as f:
+    json.dump(out, f, default=repr)
+'''
+
+
+@pytest.fixture(scope="module")
+def trl116(tmp_path_factory) -> dict:
+    """TRL 1.16.0's own view, in its venv (one process, ~10 s of TRL's import): GRPOConfig's, ModelConfig's and the
+    grpo script's defaults and field names, and each GRPO recipe as its TrlParser reads it."""
+    import json
+    import os
+    import subprocess
+
+    if not TRL116_PYTHON.exists():
+        pytest.fail(f"{TRL116_PYTHON} is missing: `make trl116` builds TRL 1.16.0's venv (make test does)")
+    out = tmp_path_factory.mktemp("trl116-recipes") / "out.json"
+    done = subprocess.run([str(TRL116_PYTHON), "-c", TRL116_SIDE, str(out),
+                           *(str(RECIPES / name) for name in GRPO_RECIPES)], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_grpo_default_tables_are_trl_1_16s(trl116):
+    from tasks.common import trl_fields
+
+    real = trl116["grpo"]
+    for key, value in trl_fields.GRPO_FIELDS.items():
+        assert str(real[key]).lower() == str(value).lower(), ("GRPOConfig", key, real[key], value)
+    for key, value in trl_fields.TRAINING_ARGS.items():  # GRPOConfig's view of TrainingArguments (transformers 5)
+        if key in real and key != "learning_rate":
+            assert str(real[key]).lower().endswith(str(value).lower()), ("GRPOConfig", key, real[key], value)
+    for key, value in trl_fields.MODEL_CONFIG.items():
+        assert str(trl116["model"][key]).lower() == str(value).lower(), ("ModelConfig", key)
+    for key in ("reward_model_name_or_path", "reward_funcs", "dataset_name", "dataset_train_split"):
+        assert trl116["script"][key] == trl_fields.SCRIPT_ARGS[key], ("GRPOScriptArguments", key)
+    covered = {*trl_fields.TRAINING_ARGS, *trl_fields.GRPO_FIELDS, *trl_fields.MODEL_CONFIG, *trl_fields.SCRIPT_ARGS,
+               *trl_fields.BOOKKEEPING}
+    assert not (set(trl116["fields"]) | set(trl116["training_args"])) - covered, \
+        "every field of TRL 1.16's grpo script is known: none would be reported as unknown to TRL"
+
+
+def test_gspo_recipe_keeps_trls_generation_steps_schedule_and_objective(params_dir, trl116):
+    """TRL's GSPO recipe (sequence-level importance sampling, the grpo reduction, beta 0) under ZeRO-3 on 8
+    processes: the same generation, optimizer steps and schedule, the GRPO options under train.grpo."""
+    rows, world = 3622, 8
+    result, params = from_trl(params_dir, RECIPES / "gspo.yaml", "--accelerate-config", str(ZERO3), "--train-rows",
+                              str(rows))  # told GRPO by its fields (loss_type, importance_sampling_level)
+    trl = trl116["parsed"][str(RECIPES / "gspo.yaml")]  # parsed on one process: scale its generation to 8
+    P, G, S, k, iterations = (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"],
+                              trl["steps_per_generation"], trl["num_generations"], trl["num_iterations"])
+    generation_batch_size = trl["generation_batch_size"] * world
+    max_steps = math.ceil(3.0 * (rows // (generation_batch_size // k) * iterations * S // G))
+    plan = _our_plan(params)
+    assert plan.batch_size == generation_batch_size == 512, "one rollout batch is one generation"
+    assert plan.local_mini_batch_size * plan.num_processes == P * world * G == 128
+    assert plan.num_optimizer_steps // plan.num_updates == iterations * S // G == 4
+    assert plan.num_optimizer_steps == max_steps == 672
+    assert _our_rates(params) == pytest.approx(_rates("linear", 0, max_steps, max_steps), rel=1e-12, abs=1e-15)
+    train, cfg = params.train, params.rl_config()
+    assert (cfg.algo, cfg.grpo.num_generations, cfg.num_epochs) == ("grpo", k, iterations)
+    assert (cfg.grpo.importance_sampling_level, cfg.grpo.loss_type, cfg.grpo.scale_rewards) == (
+        trl["importance_sampling_level"], trl["loss_type"], trl["scale_rewards"]) == ("sequence", "grpo", "group")
+    assert (cfg.cliprange, cfg.epsilon_high, cfg.kl_coef, cfg.response_length) == (
+        trl["epsilon"], trl["epsilon_high"], trl["beta"], trl["max_completion_length"])
+    assert not cfg.uses_reference, "beta 0: no reference model, as TRL"
+    assert (train.learning_rate, train.missing_eos_penalty, train.max_grad_norm, train.adam_eps) == (
+        1e-5, None, 1.0, 1e-8)
+    assert (train.use_peft, train.lora_target_modules, train.lora_dropout) == (True, ["q_proj", "v_proj"], 0.0)
+    text = " ".join(result.output.split())
+    assert "TRL 1.16.0 GRPO recipe" in text
+    assert "reward_funcs=['think_format_reward', 'accuracy_reward']" in text and "dtype='bfloat16'" in text
+    assert "old log-probs (num_iterations 1)" in text and "LoRA dropout: 0.05" in text
+
+
+def test_dr_grpo_recipe_maps_scale_rewards_false_and_its_kl(params_dir, trl116):
+    """Dr. GRPO on TL;DR: TRL's scale_rewards false is 'none'; beta is the k3 KL in the loss (a reference loaded);
+    on 4 processes with steps_per_generation 4 = gradient_accumulation_steps: one optimizer step per generation."""
+    result, params = from_trl(params_dir, RECIPES / "grpo_tldr.yaml", "--num-processes", "4")
+    trl = trl116["parsed"][str(RECIPES / "grpo_tldr.yaml")]
+    cfg, plan = params.rl_config(), _our_plan(params)
+    assert (cfg.grpo.loss_type, cfg.grpo.scale_rewards, cfg.kl_coef) == (trl["loss_type"], trl["scale_rewards"],
+                                                                         trl["beta"]) == ("dr_grpo", "none", 0.04)
+    assert cfg.uses_reference and cfg.grpo.num_generations == 4 and cfg.response_length == 53
+    assert plan.batch_size == trl["generation_batch_size"] * 4 == 256
+    assert plan.num_optimizer_steps == plan.num_updates == 1000, "max_steps: one optimizer step per generation"
+    assert (params.sft.pretrained, params.reward_model.pretrained) == (
+        "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr", "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr")
+    assert (params.base.seed, params.runtime.mixed_precision, cfg.temperature) == (1, "bf16", 0.7)
+    assert "normaliser" not in result.output, "dr_grpo divides by a constant: no per-step token count differs"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("loss_type", "sapo"), ("loss_type", "vespo"), ("entropy_coef", 0.01), ("use_adaptive_entropy", True),
+    ("multi_objective_aggregation", "normalize_then_sum"), ("off_policy_mask_threshold", 0.5),
+    ("sapo_temperature_pos", 2.0),
+])
+def test_a_grpo_option_we_do_not_implement_fails_naming_the_key(params_dir, key, value):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    recipe = {**yaml.safe_load((RECIPES / "grpo_tldr.yaml").read_text()), key: value}
+    path = params_dir / "grpo_tldr.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = params_dir / "profiles" / "grpo_tldr.yaml"
+    result = CliRunner().invoke(app, ["from-trl", str(path), "--out", str(out)])
+    assert result.exit_code == 2 and f"{key}={value!r}" in result.output, result.output
+    assert not out.exists(), "no profile training another objective is written"
+
+
+def test_grpo_options_at_trls_defaults_are_accounted_for(params_dir):
+    from tasks.common.trl_recipe import convert, report_lines
+
+    recipe = {**yaml.safe_load((RECIPES / "grpo_tldr.yaml").read_text()), "entropy_coef": 0.0,
+              "multi_objective_aggregation": "sum_then_normalize", "vllm_importance_sampling_correction": True,
+              "cast_lm_head_to_fp32": True, "max_prompt_length": 512}  # the last: TRL 1.16 has no such field
+    conversion = convert(recipe)
+    text = "\n".join(report_lines(conversion))
+    for key in recipe:
+        assert key in text, f"{key} is reported"
+    assert {"entropy_coef (TRL's default: nothing to carry over)", "vllm_importance_sampling_correction"} <= \
+        set(conversion.bookkeeping)
+    assert [u.split("=")[0] for u in conversion.unsupported] == ["cast_lm_head_to_fp32"]
+    assert conversion.unknown == ["max_prompt_length"] and "unknown to TRL 1.16.0's GRPOConfig" in text
+
+
+@pytest.mark.parametrize("algo", [None, "rloo", "grpo"])
+def test_fields_rloo_and_grpo_share_need_the_trainer_named(algo):
+    """RLOOConfig and GRPOConfig share num_generations, beta, ... with other defaults: never guessed."""
+    from tasks.common.trl_recipe import RecipeError, convert
+
+    recipe = {"model_name_or_path": "m", "num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 10}
+    if algo is None:
+        with pytest.raises(RecipeError, match="pass --algo rloo or --algo grpo"):
+            convert(recipe)
+        return
+    train = convert(recipe, algo=algo).profile["train"]
+    k = train["rloo"]["rloo_k"] if algo == "rloo" else train["grpo"]["num_generations"]
+    assert (train["algo"], k) == (algo, 4)
+    assert (train["kl_coef"], train["response_length"]) == ((0.05, 256) if algo == "rloo" else (0.0, 512)), \
+        "each trainer's own defaults (TRL 1.9 RLOOConfig, TRL 1.16 GRPOConfig)"

@@ -1,14 +1,17 @@
-"""TRL 1.9.0's script fields as `rlhf from-trl` reads them (tasks/common/trl_recipe.py): the defaults of the fields
-it maps or weighs, the fields with no effect on the trained policy here, and why the rest cannot be carried over.
+"""TRL's script fields as `rlhf from-trl` reads them (tasks/common/trl_recipe.py): the defaults of the fields it maps
+or weighs, the fields with no effect on the trained policy here, and why the rest cannot be carried over.
 
-The defaults are those of TRL 1.9.0's dataclasses under transformers 5 (TrainingArguments with TRL's overrides,
-experimental PPOConfig, RLOOConfig, ModelConfig, ScriptArguments, RLOO's script arguments, DatasetMixtureConfig);
-tests/test_trl_recipes.py checks them against the installed TRL (a dev dependency).
+PPO and RLOO: TRL 1.9.0's dataclasses under transformers 5 (TrainingArguments with TRL's overrides, experimental
+PPOConfig, RLOOConfig, ModelConfig, ScriptArguments, RLOO's script arguments, DatasetMixtureConfig). GRPO: TRL
+1.16.0's GRPOConfig (the newest TRL; it has no PPO), whose TrainingArguments overrides, ModelConfig, script arguments
+and DatasetMixtureConfig equal the tables below. tests/test_trl_recipes.py checks them against the installed TRL 1.9.0
+(a dev dependency) and TRL 1.16.0 in its own venv (`make trl116`).
 """
 
 from __future__ import annotations
 
 TRL_VERSION = "1.9.0"
+GRPO_TRL_VERSION = "1.16.0"  # GRPO recipes are read as TRL 1.16.0 writes them
 
 TRAINING_ARGS = {
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_train_epochs": 3.0, "max_steps": -1,
@@ -36,6 +39,20 @@ RLOO_FIELDS = {
     "num_iterations": 1, "epsilon": 0.2, "epsilon_high": None, "reward_weights": None,
     "normalize_advantages": False, "reward_clip_range": None, "mask_truncated_completions": False,
     "sync_ref_model": False, "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512,
+}
+GRPO_FIELDS = {  # TRL 1.16.0 GRPOConfig's own fields (learning_rate: its override of TrainingArguments')
+    "learning_rate": 1e-6, "model_init_kwargs": None, "trust_remote_code": False, "router_aux_loss_coef": None,
+    "disable_dropout": False, "cast_lm_head_to_fp32": False, "num_generations": 8, "max_completion_length": 512,
+    "shuffle_dataset": True, "generation_batch_size": None, "steps_per_generation": None, "temperature": 1.0,
+    "top_p": 1.0, "top_k": 0, "min_p": None, "generation_kwargs": None, "chat_template_kwargs": None,
+    "repetition_penalty": 1.0, "beta": 0.0, "num_iterations": 1, "epsilon": 0.2, "delta": None, "epsilon_high": None,
+    "sapo_temperature_neg": 1.05, "sapo_temperature_pos": 1.0, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0, "importance_sampling_level": "token", "reward_weights": None,
+    "multi_objective_aggregation": "sum_then_normalize", "scale_rewards": "group", "loss_type": "dapo",
+    "mask_truncated_completions": False, "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
+    "ref_model_sync_steps": 512, "top_entropy_quantile": 1.0, "entropy_coef": 0.0, "use_adaptive_entropy": False,
+    "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
+    "max_tool_calling_iterations": None, "off_policy_mask_threshold": None, "use_bias_correction_kl": True,
 }
 MODEL_CONFIG = {
     "model_name_or_path": None, "model_revision": "main", "dtype": "float32", "attn_implementation": None,
@@ -81,6 +98,10 @@ BOOKKEEPING = {
     "vllm_max_model_length", "vllm_tensor_parallel_size", "use_transformers_continuous_batching",
     "transformers_continuous_batching_config", "use_transformers_paged", "log_completions", "log_multimodal",
     "num_completions_to_print", "log_unique_prompts",
+    # GRPO (TRL 1.16): vLLM's importance-sampling correction (only with use_vllm: ours samples with the trained
+    # weights themselves, so there is no engine mismatch to correct), and where completions are logged
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap", "log_completions_hub_repo",
     # scripts: the eval split (ours holds out prepare.eval_fraction of the prompts), streaming, bias buffers
     "dataset_test_split", "dataset_streaming", "streaming", "test_split_size", "ignore_bias_buffers",
 }
@@ -107,4 +128,5 @@ UNSUPPORTED_WHY = {  # a field that changes training, set away from TRL's defaul
     "adam_beta1": "ours uses torch's AdamW betas (0.9, 0.999)",
     "adam_beta2": "ours uses torch's AdamW betas (0.9, 0.999)",
     "lr_scheduler_kwargs": "ours takes none", "optim": "ours is torch's AdamW",
+    "cast_lm_head_to_fp32": "ours computes the output head in runtime.mixed_precision's autocast",
 }

@@ -1,11 +1,15 @@
-"""`rlhf from-trl`: a TRL 1.9 PPO or RLOO script config turned into a profile, with what still behaves differently.
+"""`rlhf from-trl`: a TRL 1.9 PPO or RLOO, or TRL 1.16 GRPO, script config turned into a profile, with what still
+behaves differently.
 
 A TRL script reads one YAML (`--config`, TRL's `TrlParser`): its top-level keys are the fields of the script's
 dataclasses, the trainer's config (`trl.experimental.ppo.PPOConfig` or `trl.RLOOConfig`, both
-`transformers.TrainingArguments`), `ModelConfig` and `ScriptArguments`, plus an optional `env` mapping. Every key
-ends in exactly one of: mapped onto a key of ours, bookkeeping (no effect on the trained policy here), changes
-training with no equivalent here (a warning), or unknown to TRL 1.9 (a warning). A field the file leaves out takes
-TRL 1.9's default; every mapped key is written into the profile, so params.yaml's demo values never leak in.
+`transformers.TrainingArguments`; TRL 1.16's `trl.GRPOConfig` for GRPO), `ModelConfig` and `ScriptArguments`, plus an
+optional `env` mapping. Every key ends in exactly one of: mapped onto a key of ours, bookkeeping (no effect on the
+trained policy here), changes training with no equivalent here (a warning), or unknown to that TRL (a warning). A
+GRPO option that changes the objective and is not implemented here (a `loss_type` such as sapo, the entropy bonus,
+`multi_objective_aggregation`, ... set away from TRL's default) is an error naming the key, as in params.yaml: the
+profile would train another loss. A field the file leaves out takes TRL's default; every mapped key is written into
+the profile, so params.yaml's demo values never leak in.
 
 The batch arithmetic, per update, with P = per_device_train_batch_size, G = gradient_accumulation_steps and
 W processes (ours: batch = per_device * GA * num_mini_batches * W, rlhf_core/config.py):
@@ -19,6 +23,8 @@ W processes (ours: batch = per_device * GA * num_mini_batches * W, rlhf_core/con
   (S = steps_per_generation, default G; or generation_batch_size B), num_generations k per prompt, used for
   num_iterations passes of S micro-batches; the Trainer steps the optimizer every G micro-batches. Ours: one
   rollout batch = one generation, num_mini_batches = S / G, num_epochs = num_iterations, rloo_k = k.
+- TRL 1.16 GRPO (trainer/grpo_trainer.py): the same generation, sampler and optimizer steps as RLOO's, with
+  grpo.num_generations = k.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from typing import Any
 
 import yaml
 
-from rlhf_core.config import BatchPlan
+from rlhf_core.config import TRL_GRPO_UNSUPPORTED, BatchPlan, GRPOOptions
 from tasks.common.params import PARAMS_FILE, Params, ParamsError, deep_merge
 from tasks.common.trl_fields import (
     BOOKKEEPING,
+    GRPO_FIELDS,
+    GRPO_TRL_VERSION,
     MODEL_CONFIG,
     PPO_FIELDS,
     RLOO_FIELDS,
@@ -43,8 +51,13 @@ from tasks.common.trl_fields import (
     UNSUPPORTED_WHY,
 )
 
-PPO_ONLY = set(PPO_FIELDS) - set(RLOO_FIELDS) - {"temperature"}
-RLOO_ONLY = set(RLOO_FIELDS) - set(PPO_FIELDS) - {"temperature"}
+PPO_ONLY = set(PPO_FIELDS) - set(RLOO_FIELDS) - set(GRPO_FIELDS) - {"temperature"}
+RLOO_ONLY = set(RLOO_FIELDS) - set(PPO_FIELDS) - set(GRPO_FIELDS)  # normalize_advantages, reward_clip_range
+GRPO_ONLY = set(GRPO_FIELDS) - set(PPO_FIELDS) - set(RLOO_FIELDS)  # loss_type, scale_rewards, delta, ...
+RLOO_OR_GRPO = (set(RLOO_FIELDS) & set(GRPO_FIELDS)) - set(PPO_FIELDS)  # num_generations, beta, epsilon, ...
+TRAINER_FIELDS = {"ppo": PPO_FIELDS, "rloo": RLOO_FIELDS, "grpo": GRPO_FIELDS}
+K_KEY = {"rloo": "train.rloo.rloo_k", "grpo": "train.grpo.num_generations"}
+GRPO_LOSS_TYPES = GRPOOptions.model_fields["loss_type"].annotation.__args__  # the ones implemented here
 RL_SCHEDULERS = ("linear", "constant", "cosine")  # RLConfig.lr_scheduler
 
 
@@ -70,7 +83,7 @@ class Conversion:
     differences: list[Difference] = field(default_factory=list)
     bookkeeping: list[str] = field(default_factory=list)  # TRL keys with no effect on the policy here
     unsupported: list[str] = field(default_factory=list)  # "key=value: why", changes training
-    unknown: list[str] = field(default_factory=list)  # keys TRL 1.9 does not know
+    unknown: list[str] = field(default_factory=list)  # keys that TRL (1.9; GRPO: 1.16) does not know
     todo: list[str] = field(default_factory=list)  # what the user still sets before `rlhf run`
     derived: dict[str, Any] = field(default_factory=dict)  # TRL's derived sizes and ours, for the report
 
@@ -109,20 +122,31 @@ def read_trl_config(path: str | Path) -> dict:
 
 
 def detect_algo(config: dict) -> str:
-    ppo, rloo = sorted(PPO_ONLY & config.keys()), sorted(RLOO_ONLY & config.keys())
-    if ppo and rloo:
-        raise RecipeError(f"the config has PPOConfig-only fields ({', '.join(ppo)}) and RLOOConfig-only fields "
-                          f"({', '.join(rloo)}); pass --algo ppo or --algo rloo")
-    if not (ppo or rloo):
-        raise RecipeError("the config has no PPOConfig- or RLOOConfig-only field to tell the trainer by; pass --algo")
-    return "ppo" if ppo else "rloo"
+    """The trainer the fields belong to. RLOOConfig and GRPOConfig share most fields (num_generations, beta, ...) but
+    not their defaults (k 2 and 8, beta 0.05 and 0): a config with only shared fields is not guessed."""
+    only = {algo: sorted(fields & config.keys())
+            for algo, fields in (("ppo", PPO_ONLY), ("rloo", RLOO_ONLY), ("grpo", GRPO_ONLY))}
+    found = [algo for algo, keys in only.items() if keys]
+    if len(found) > 1:
+        named = "; ".join(f"{algo.upper()}Config-only: {', '.join(only[algo])}" for algo in found)
+        raise RecipeError(f"the config has fields of more than one trainer ({named}); pass --algo "
+                          + " or --algo ".join(found))
+    if found:
+        return found[0]
+    shared = sorted(RLOO_OR_GRPO & config.keys())
+    if shared:
+        raise RecipeError(f"the config's trainer fields ({', '.join(shared)}) are both RLOOConfig's and "
+                          "GRPOConfig's, whose defaults differ; pass --algo rloo or --algo grpo (the script it ran: "
+                          "trl rloo or trl grpo)")
+    raise RecipeError("the config has no PPOConfig-, RLOOConfig- or GRPOConfig-only field to tell the trainer by; "
+                      "pass --algo")
 
 
 def convert(config: dict, *, algo: str | None = None, launch: Launch = Launch(), train_rows: int | None = None,
             name: str = "trl") -> Conversion:
     """The profile (sections of params.yaml) reproducing `config`, and what could not be reproduced."""
     algo = algo or detect_algo(config)
-    trainer = PPO_FIELDS if algo == "ppo" else RLOO_FIELDS
+    trainer = TRAINER_FIELDS[algo]
     known = {**TRAINING_ARGS, **MODEL_CONFIG, **SCRIPT_ARGS, **trainer}
     trl = {**known, **{k: v for k, v in config.items() if k in known}}  # TRL's view: its defaults, then the file
     b = _Builder(Conversion(algo=algo, profile={"base": {"profile": name}}), frozenset(config))
@@ -213,7 +237,7 @@ def _map_batches(b: _Builder, trl: dict, launch: Launch, train_rows: int | None)
             _divisor_at_most(per_device * accumulation * mini_batches, int(trl["local_rollout_forward_batch_size"])),
             "local_rollout_forward_batch_size")
         return
-    # RLOO
+    # RLOO and GRPO
     k = int(trl["num_generations"])
     if trl["generation_batch_size"] is not None and trl["steps_per_generation"] is not None:
         raise RecipeError("generation_batch_size and steps_per_generation cannot both be set (TRL refuses it too)")
@@ -243,7 +267,7 @@ def _map_batches(b: _Builder, trl: dict, launch: Launch, train_rows: int | None)
     put("train.gradient_accumulation_steps", G, "gradient_accumulation_steps")
     put("train.num_mini_batches", S // G, "steps_per_generation", "generation_batch_size")
     put("train.num_epochs", iterations, "num_iterations")
-    put("train.rloo.rloo_k", k, "num_generations")
+    put(K_KEY[conv.algo], k, "num_generations")
     put("train.total_episodes", updates * generation, "max_steps", "num_train_epochs")
     put("train.local_rollout_forward_batch_size", P * S)  # TRL generates a process's whole share at once
 
@@ -314,24 +338,27 @@ def _map_objective(b: _Builder, trl: dict) -> None:
             "same when micro-batches hold as many tokens)", None))
         return
     put("train.response_length", int(trl["max_completion_length"]), "max_completion_length")
-    put("train.stop_token", "eos")  # TRL's RLOO generation stops at the tokenizer's EOS
-    put("train.missing_eos_penalty", None)  # TRL's RLOO has none
+    put("train.stop_token", "eos")  # TRL's RLOO and GRPO generation stops at the tokenizer's EOS
+    put("train.missing_eos_penalty", None)  # TRL's RLOO and GRPO have none
     put("train.kl_coef", float(trl["beta"]), "beta")
-    put("train.kl_estimator", "k1")  # per-token log ratio, summed per sequence (rloo_trainer.py)
-    put("train.rloo.kl_level", "sequence")
+    put("train.kl_estimator", "k1")  # RLOO: per-token log ratio, summed per sequence (rloo_trainer.py); GRPO: logged
     put("train.cliprange", float(trl["epsilon"]), "epsilon")
     put("train.epsilon_high", trl["epsilon_high"], "epsilon_high")
     for key in ("top_k", "top_p", "min_p", "repetition_penalty", "mask_truncated_completions", "sync_ref_model",
                 "ref_model_mixup_alpha", "ref_model_sync_steps"):
         put(f"train.{key}", trl[key], key)
-    put("train.rloo.normalize_reward", False)  # TRL 1.9's RLOO has no reward normalization
-    put("train.rloo.normalize_advantage", bool(trl["normalize_advantages"]), "normalize_advantages")
-    conv.differences.append(Difference(
-        "RLOO advantage std eps", "(A - mean) / (std + 1e-4) (TRL 1.9)", "(A - mean) / (std + 1e-8)",
-        None if trl["normalize_advantages"] else "none needed: normalize_advantages is false, nothing is divided"))
+    if conv.algo == "grpo":
+        _map_grpo(b, trl)
+    else:
+        put("train.rloo.kl_level", "sequence")
+        put("train.rloo.normalize_reward", False)  # TRL 1.9's RLOO has no reward normalization
+        put("train.rloo.normalize_advantage", bool(trl["normalize_advantages"]), "normalize_advantages")
+        conv.differences.append(Difference(
+            "RLOO advantage std eps", "(A - mean) / (std + 1e-4) (TRL 1.9)", "(A - mean) / (std + 1e-8)",
+            None if trl["normalize_advantages"] else "none needed: normalize_advantages is false, nothing is divided"))
     conv.differences.append(Difference(
         "where the score lands", "the reward model scores the completion decoded without special tokens and "
-        "tokenized again: the last text token, no EOS (rloo_trainer.py _calculate_rewards)",
+        f"tokenized again: the last text token, no EOS ({conv.algo}_trainer.py _calculate_rewards)",
         "the reward model scores the EOS token", None))
     if not trl["disable_dropout"]:
         conv.differences.append(Difference(
@@ -340,6 +367,39 @@ def _map_objective(b: _Builder, trl: dict) -> None:
         conv.differences.append(Difference(
             "order within a generation", "one shuffle per generation, reused by every iteration",
             "a fresh shuffle each epoch (num_epochs = num_iterations)", None))
+
+
+def _map_grpo(b: _Builder, trl: dict) -> None:
+    """GRPOConfig's own options (TRL 1.16): those implemented here onto train.grpo, the others refused by name."""
+    conv, put = b.conv, b.put
+    for key, default in TRL_GRPO_UNSUPPORTED.items():
+        if trl[key] != default:
+            raise RecipeError(f"{key}={trl[key]!r}: TRL {GRPO_TRL_VERSION} GRPOConfig's option is not implemented "
+                              f"here (only its default {default!r}); the profile would train another objective. "
+                              "Remove it from the config to convert the rest (docs/trl.md#grpo-trls-grpotrainer)")
+        b.ignore(key, "TRL's default: nothing to carry over")
+    if trl["loss_type"] not in GRPO_LOSS_TYPES:
+        raise RecipeError(f"loss_type={trl['loss_type']!r}: not implemented here (ours: {', '.join(GRPO_LOSS_TYPES)}); "
+                          "the profile would train another objective")
+    put("train.grpo.loss_type", trl["loss_type"], "loss_type")
+    scale = {True: "group", False: "none"}.get(trl["scale_rewards"], trl["scale_rewards"])  # as GRPOConfig reads it
+    put("train.grpo.scale_rewards", scale, "scale_rewards")
+    for key in ("importance_sampling_level", "delta", "top_entropy_quantile", "use_bias_correction_kl"):
+        put(f"train.grpo.{key}", trl[key], key)
+    train, runtime = conv.profile["train"], conv.profile["runtime"]
+    if trl["loss_type"] in ("dapo", "cispo") and train["num_mini_batches"] > 1:
+        conv.differences.append(Difference(
+            f"{trl['loss_type']} normaliser", "the generation's loss tokens / optimizer steps per generation "
+            "(grpo_trainer.py num_items_in_batch)", "each optimizer step's own loss tokens (equal when "
+            "steps_per_generation = gradient_accumulation_steps)", None))
+    if trl["top_entropy_quantile"] < 1.0 and runtime["num_processes"] > 1:
+        conv.differences.append(Difference(
+            "top_entropy_quantile threshold", "the quantile of the micro-batch's tokens gathered over all processes",
+            "over each process's micro-batch", None))
+    if int(trl["num_iterations"]) == 1:
+        conv.differences.append(Difference(
+            "old log-probs (num_iterations 1)", "the training forward's own, detached: the ratio is exactly 1",
+            "the rollout's, read at sampling (fp32: equal to ~1e-6; under bf16 recomputed)", None))
 
 
 # -- optimizer, schedule and precision -----------------------------------------------------------------------------
@@ -433,7 +493,7 @@ def _our_plan(conv: Conversion) -> BatchPlan:
     train = conv.profile["train"]
     fields = {k: v for k, v in train.items() if k in ("algo", "total_episodes", "per_device_train_batch_size",
                                                       "gradient_accumulation_steps", "num_mini_batches", "num_epochs",
-                                                      "local_rollout_forward_batch_size", "rloo")}
+                                                      "local_rollout_forward_batch_size", "rloo", "grpo")}
     return BatchPlan.derive(RLConfig(**fields), conv.profile["runtime"]["num_processes"])
 
 
@@ -448,9 +508,9 @@ def _map_models_and_data(b: _Builder, trl: dict) -> None:
         put("sft.pretrained", trl["sft_model_path"], "sft_model_path")
         put("reward_model.pretrained", trl["reward_model_path"], "reward_model_path")
         put("train.value_model_init", "reward")  # ppo_tldr.py loads the value model from reward_model_path
-    else:  # trl/scripts/rloo.py: the policy and its tokenizer from model_name_or_path
+    else:  # trl/scripts/rloo.py and grpo.py: the policy and its tokenizer from model_name_or_path
         if not model:
-            raise RecipeError("model_name_or_path is not set: TRL's RLOO script trains that model")
+            raise RecipeError(f"model_name_or_path is not set: TRL's {conv.algo.upper()} script trains that model")
         put("sft.pretrained", model, "model_name_or_path")
         put("prepare.tokenizer", model)
         if trl["reward_model_name_or_path"]:
@@ -525,7 +585,8 @@ def check_profile(conv: Conversion, root: str | Path = ".") -> BatchPlan:
 
 
 def report_lines(conv: Conversion, plan: BatchPlan | None = None) -> list[str]:
-    lines = [f"TRL {TRL_VERSION} {conv.algo.upper()} recipe -> profile {conv.profile['base']['profile']!r}", "",
+    version = GRPO_TRL_VERSION if conv.algo == "grpo" else TRL_VERSION
+    lines = [f"TRL {version} {conv.algo.upper()} recipe -> profile {conv.profile['base']['profile']!r}", "",
              "mapped (TRL field -> ours):"]
     lines += [f"  {source} -> {key}: {_yaml_scalar(value)}" for source, key, value in conv.mapped]
     if conv.derived or plan:
@@ -540,8 +601,8 @@ def report_lines(conv: Conversion, plan: BatchPlan | None = None) -> list[str]:
     lines += [f"  {d.what}: {d.trl} | {d.ours} | {d.setting or 'no key of ours reproduces it'}"
               for d in conv.differences]
     for title, items in (("WARNING: changes training, no equivalent here (not carried over)", conv.unsupported),
-                         ("WARNING: unknown to TRL 1.9's PPOConfig/RLOOConfig/ModelConfig/ScriptArguments (TrlParser "
-                          "would refuse them; not carried over)", conv.unknown),
+                         (f"WARNING: unknown to TRL {version}'s {conv.algo.upper()}Config/ModelConfig/ScriptArguments "
+                          "(TrlParser would refuse them; not carried over)", conv.unknown),
                          ("before `rlhf run`", conv.todo),
                          ("not carried over, no effect on the trained policy here", conv.bookkeeping)):
         if items:
