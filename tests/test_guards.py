@@ -1,10 +1,14 @@
 """The guards of RL training (in RLTrainer, on by default): training stops at the first update with a NaN/inf loss,
 reward, gradient norm or ratio, or a KL above `train.max_update_kl`, naming the update and the figure, before that
-update is checkpointed; the train stage keeps the message."""
+update is checkpointed; the train stage keeps the message. On 2 ranks both stop at the same update."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +77,26 @@ def test_a_nan_reward_stops_the_train_stage_before_any_checkpoint(workspace, mak
     assert "no checkpoint in" in result.output and "Traceback" not in result.output
     assert not list((workspace / "checkpoints" / "train").glob("update-*")), "nothing non-finite was checkpointed"
     assert not (workspace / "models" / "policy").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_at_the_same_update_when_only_one_sees_the_nan(tmp_path):
+    """2 CPU ranks under torchrun (tests/distributed_diverge.py): only rank 1's reward is NaN, at update 3. The guard
+    reads the figures reduced across ranks, so both stop at update 3 with the same message, which names rank 1's NaN
+    reward and the newest good checkpoint (update 2); update 3 is never checkpointed; both meet at a final barrier."""
+    script = Path(__file__).with_name("distributed_diverge.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent.parent)}
+    proc = subprocess.run([*torchrun, str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["num_processes"] for r in ranks] == [2, 2], ranks
+    assert [r["update"] for r in ranks] == [3, 3], f"both ranks stop at the update that diverged: {ranks}"
+    first, second = (r["error"] for r in ranks)
+    assert first is not None and first == second, f"the same stop on both ranks:\n{first}\n{second}"
+    newest = tmp_path / "checkpoints" / "update-000002"
+    assert first.startswith("update 3: ") and "objective/scores = nan" in first, first
+    assert f"training stopped before checkpointing it (the last good checkpoint, {newest}, stays the newest)" in first
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["update-000001", "update-000002"], f"no checkpoint (nor a partial one) of update 3: {saved}"
