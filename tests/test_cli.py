@@ -63,3 +63,47 @@ def test_every_help_text_reflows_its_docstring_paragraphs():
         paragraphs = [" ".join(p.replace("`", "").split()) for p in (doc or "").split("\n\n") if p.strip()]
         lines = {" ".join(line.strip(" │").split()) for line in out.splitlines()}
         assert paragraphs and set(paragraphs) <= lines, (path, [p for p in paragraphs if p not in lines], out)
+
+
+def test_exps_fits_100_columns_with_a_sweeps_rows():
+    """A sweep's experiments (long names, six differing params, every metric) made a 110-column table with a
+    133-character footer line at 2a5c0fd; the table cuts the middle of long names, drops the params that do not
+    fit into its notes, then its `created` column, and the notes wrap."""
+    from cli.exps import table
+
+    def row(name, kl, lr, seed):
+        params = {"base.profile": "demo", "train.algo": "ppo", "train.kl_coef": kl, "train.learning_rate": lr,
+                  "base.seed": seed, "train.temperature": 0.7 + seed / 10, "train.num_ppo_epochs": 4 + seed,
+                  "sft.epochs": 4 + seed, "reward_model.learning_rate": 5e-05 * (1 + seed),
+                  "evaluate.max_new_tokens": 24 + seed}
+        metrics = {"win_gold": 0.9166666666666666, "win_rm": 0.9375, "eval_kl": 1.4321, "eos": 1.0, "len": 18.25}
+        return {"name": name, "created": "11-27T13:17", "params": params, "metrics": metrics}
+
+    rows = [{**row("workspace", 0.3, 3e-05, 0), "unlocked": ["train.kl_coef", "train.learning_rate", "base.seed"]},
+            row("main", 0.3, 3e-05, 0),
+            *(row(f"  demo-ppo-kl_coef-{kl}-learning_rate-{lr}-seed-{seed}-1127-13{seed}502".replace(".", "-"),
+                  kl, lr, seed) for kl, lr, seed in ((0.05, 1e-05, 1), (0.1, 3e-05, 2), (0.3, 1e-04, 3)))]
+    view = table(rows, [])
+    lines = view.splitlines()
+    assert max(map(len, lines)) <= 100, "\n".join(f"{len(line):3} {line}" for line in lines)
+    header = lines[0].split()
+    assert header[:3] == ["experiment", "profile", "algo"] or header[:4] == ["experiment", "created", "profile",
+                                                                           "algo"], header
+    assert header[-5:] == ["win_gold", "win_rm", "eval_kl", "eos", "len"], header
+    notes = " ".join(line.strip() for line in lines[lines.index("") + 1:])
+    shown = notes.split("params: ", 1)[1].split(" also differ", 1)[0].split(", ")
+    hidden = notes.split("also differ (--param KEY to show): ", 1)[1].split(" workspace:", 1)[0].split(", ")
+    assert set(shown[2:]) | set(hidden) == {"train.kl_coef", "train.learning_rate", "base.seed", "train.temperature",
+                                            "train.num_ppo_epochs", "sft.epochs", "reward_model.learning_rate",
+                                            "evaluate.max_new_tokens"}, notes
+    assert [k.rsplit(".", 1)[-1] for k in shown] == header[header.index("algo") - 1:len(header) - 5], (shown, header)
+    assert "params.yaml now differs in train.kl_coef, train.learning_rate, base.seed" in notes, notes
+    # each experiment keeps both ends of its name: its settings and its start time
+    names = [line.split()[0] for line in lines[3:6]]
+    assert all(n.startswith("demo-ppo-kl") and n.endswith(f"-13{seed}502") and "…" in n
+               for n, seed in zip(names, (1, 2, 3), strict=True)), names
+    assert len(shown) > 2, "a param column or more is left beside the cut names"
+    # a narrow table is as it was: every column, whole names
+    small = table([row("workspace", 0.3, 3e-05, 0), row("  kl-0-05-131502", 0.05, 3e-05, 0)], [])
+    assert small.splitlines()[0].split()[:5] == ["experiment", "created", "profile", "algo", "kl_coef"], small
+    assert "  kl-0-05-131502  11-27T13:17" in small
