@@ -15,9 +15,9 @@ import torch
 from conftest import target_fraction
 from rlhf_core import grpo, ops, rloo
 from rlhf_core.config import RLConfig
-from rlhf_core.rl_trainer import PolicyAndValue, RLTrainer
+from rlhf_core.rl_trainer import PolicyAndValue, RLTrainer, TrainingDiverged, list_checkpoints
 from rlhf_core.rollout import Rollout, response_logits
-from rlhf_core.scoring import FunctionScorer
+from rlhf_core.scoring import FunctionScorer, WeightedScorer
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL116_PYTHON = ROOT / ".venv-trl116" / "bin" / "python"
@@ -164,6 +164,63 @@ def test_trainer_with_beta_sequence_level_and_entropy_mask(tokenizer, prompts, m
     history = trainer.train()
     assert len(history) == 2 and all(math.isfinite(h["loss/policy_avg"]) for h in history)
     assert "objective/kl" in history[-1] and history[-1]["kl"] > 0, "the loss's k3 KL is logged as TRL's kl"
+
+
+def _length(prompts: list[str], completions: list[str]) -> list[float]:
+    return [float(len(c.split())) for c in completions]
+
+
+def test_reward_functions_are_summed_with_their_weights_then_normalized_per_group(tokenizer, prompts, make_policy):
+    """train.reward_funcs + reward_weights under GRPO: each completion's score is the weighted sum of its sources
+    (TRL 1.16's multi_objective_aggregation 'sum_then_normalize', the one implemented), the advantage is that sum
+    normalized within its group, and each source is logged as rewards/<name>/mean."""
+    seen = []
+    scorer = WeightedScorer([(1.0, FunctionScorer(target_fraction, tokenizer)), (-0.25, FunctionScorer(_length,
+                                                                                                         tokenizer))],
+                            names=["target", "length"])
+    trainer = RLTrainer(_tiny(total_episodes=64, scale_rewards="group"), make_policy(0), scorer, prompts,
+                        pad_token_id=0, stop_token_id=1, on_update=lambda t, batch, stats: seen.append(batch))
+    history = trainer.train()
+    for batch, logged in zip(seen, history, strict=True):
+        sources = scorer.by_source(batch)
+        expected = sources["target"] - 0.25 * sources["length"]
+        torch.testing.assert_close(batch.scores, expected)
+        assert sources["length"].std() > 0, "the second source must vary for the check to see it"
+        torch.testing.assert_close(batch.advantages[:, 0], grpo.group_advantages(expected, 4, "group"))
+        assert logged["rewards/length/mean"] == pytest.approx(sources["length"].mean().item(), rel=1e-5)
+        assert logged["objective/scores"] == pytest.approx(expected.mean().item(), rel=1e-5, abs=1e-6)
+
+
+def _nan_reward(prompts: list[str], completions: list[str]) -> list[float]:
+    return [float("nan") if i == 3 else 0.5 for i in range(len(completions))]
+
+
+def test_a_nan_reward_stops_grpo_before_any_checkpoint(tmp_path, tokenizer, prompts, make_policy):
+    """The guards under GRPO: one NaN reward poisons its group's advantages; the update is logged, nothing is
+    checkpointed and TrainingDiverged names the figure."""
+    trainer = RLTrainer(_tiny(total_episodes=64, checkpoint_every=1), make_policy(0),
+                        FunctionScorer(_nan_reward, tokenizer), prompts, pad_token_id=0, stop_token_id=1,
+                        checkpoint_dir=tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"update 1: .*objective/scores = nan"):
+        trainer.train()
+    assert not list_checkpoints(tmp_path)
+
+
+def test_max_update_kl_bounds_grpos_kl_when_beta_loads_a_reference(tmp_path, tokenizer, prompts, make_policy):
+    """With beta > 0 GRPO has a reference and logs objective/kl: train.max_update_kl stops the update that crosses
+    it, after the updates before it were checkpointed."""
+    def trainer(name, **bound):
+        cfg = _tiny(total_episodes=32 * 3, beta=0.01, learning_rate=3e-2, checkpoint_every=1, **bound)
+        return RLTrainer(cfg, make_policy(0), FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
+                         stop_token_id=1, checkpoint_dir=tmp_path / name)
+
+    kls = [row["objective/kl"] for row in trainer("free").train()]
+    assert kls[0] < kls[2], f"a high learning rate drifts from the reference: {kls}"
+    bound = (kls[0] + kls[2]) / 2
+    crossing = next(i for i, kl in enumerate(kls) if kl > bound) + 1
+    with pytest.raises(TrainingDiverged, match=rf"update {crossing}: objective/kl = [0-9.]+ \(train.max_update_kl"):
+        trainer("bounded", max_update_kl=bound).train()
+    assert [p.name for p in list_checkpoints(tmp_path / "bounded")] == [f"update-{u:06d}" for u in range(1, crossing)]
 
 
 # ------------------------------------------------------------------------------------------- TRL 1.16.0 equality
