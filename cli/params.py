@@ -25,11 +25,16 @@ def _print(edits: list) -> None:
 @app.command()
 def diff() -> None:
     """Values of params.yaml that differ from the committed file (git HEAD); a plain run uses them."""
+    from flows.lock import held_by_another
     from flows.overrides import RESTORE_NOTE
 
     if (Path.cwd() / RESTORE_NOTE).is_file():
-        typer.echo(f"an interrupted run left its overrides in params.yaml ({RESTORE_NOTE}); the next run, or "
-                   "`rlhf params reset`, restores it")
+        if live := held_by_another(Path.cwd()):
+            typer.echo(f"a run in progress ({live}) has its overrides in params.yaml for its stages; they go when "
+                       "it ends")
+        else:
+            typer.echo(f"an interrupted run left its overrides in params.yaml ({RESTORE_NOTE}); the next run, or "
+                       "`rlhf params reset`, restores it")
     edits = _edits()
     if not edits:
         typer.echo("params.yaml is as committed")
@@ -42,9 +47,14 @@ def reset() -> None:
     """Put params.yaml back as committed (git HEAD), dropping local edits and an interrupted run's overrides."""
     import subprocess
 
+    from flows.lock import held_by_another
     from flows.overrides import RESTORE_NOTE
     from tasks.common.params import PARAMS_FILE
 
+    if live := held_by_another(Path.cwd()):
+        typer.echo(f"error: a run in progress holds this workspace ({live}); its stages read params.yaml, which "
+                   "it puts back itself when it ends. Reset after it, or run in a separate clone.", err=True)
+        raise typer.Exit(2)
     edits = _edits()
     committed = subprocess.run(["git", "show", f"HEAD:{PARAMS_FILE}"], capture_output=True, text=True)
     if committed.returncode != 0:

@@ -47,6 +47,24 @@ def describe_holder(root: str | Path) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}{run}"
 
 
+def held_by_another(root: str | Path) -> str | None:
+    """Who holds the workspace lock (describe_holder) when another process does, i.e. a run is in progress
+    here; None when nobody does or this process itself does. Takes the free lock for an instant to tell."""
+    path = lock_path(root)
+    if not path.is_file():
+        return None
+    holder = read_json_object(_holder_file(path)) or {}
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        return None
+    lock = FileLock(path, thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return describe_holder(root)
+    lock.release()
+    return None
+
+
 class LockWaitStopped(RuntimeError):
     """A signal stopped the run while it waited for the lock."""
 

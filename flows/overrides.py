@@ -5,7 +5,8 @@ are per run, not sticky: when the run ends (finished, failed or interrupted) par
 for byte, so a later plain run uses the parameters the user wrote, not the previous run's overrides. (Kept
 as DVC experiments instead, each run would have to be one `dvc exp run`: one process for all stages, no
 Prefect task per stage; and `dvc exp run` also leaves the overrides in the workspace's params.yaml.)
-A run killed before it could restore the file leaves a note in .dvc/tmp/; the next run restores from it.
+A run killed before it could restore the file leaves a note in .dvc/tmp/; the next run restores from it. A
+note while another process holds the workspace lock (flows/lock.py) is a live run's, not an interrupted one's.
 
 The edit goes through ruamel.yaml, round trip: comments, quotes, flow mappings and line layout stay as
 written (DVC's own writer rewrapped long lines and unquoted "no", which PyYAML then reads as False).
@@ -177,8 +178,10 @@ def _restore(path: Path, note: Path) -> str | None:
 def restore_after_killed_run(root: str | Path) -> str | None:
     """A run killed before it restored params.yaml left its note: restore now. A message saying what was
     done, or None when there was nothing to do."""
+    from flows.lock import held_by_another
+
     path, note = Path(root) / PARAMS_FILE, Path(root) / RESTORE_NOTE
-    if not note.is_file():
+    if not note.is_file() or held_by_another(root):  # a run in progress holds its overrides: it restores them
         return None
     return _restore(path, note) or f"{path}: restored; an interrupted run had left its overrides in it"
 

@@ -107,3 +107,57 @@ def test_exps_fits_100_columns_with_a_sweeps_rows():
     small = table([row("workspace", 0.3, 3e-05, 0), row("  kl-0-05-131502", 0.05, 3e-05, 0)], [])
     assert small.splitlines()[0].split()[:5] == ["experiment", "created", "profile", "algo", "kl_coef"], small
     assert "  kl-0-05-131502  11-27T13:17" in small
+
+
+LIVE_RUN = """import pathlib, time
+from flows.lock import workspace_lock
+from flows.overrides import overrides_applied
+
+with workspace_lock(".", 0, run="flow run point-1 (sweep)"), overrides_applied(".", "demo", ["base.seed=5"]):
+    print("holding", flush=True)
+    while not pathlib.Path("go").exists():
+        time.sleep(0.1)
+"""
+
+
+def test_params_diff_tells_a_live_runs_overrides_from_an_interrupted_ones(tmp_path, monkeypatch):
+    """While a run (a sweep's point) holds the workspace lock with its overrides in params.yaml, `rlhf params diff`
+    said "an interrupted run left its overrides" and suggested `rlhf params reset` at 2a5c0fd. Now it names the
+    run in progress; reset refuses while it runs; once the run is killed (-9), the note is an interrupted one's."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copy(repo / "params.yaml", tmp_path / "params.yaml")
+    for args in (["init", "-q"], ["add", "params.yaml"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
+                                                          "params"]):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True)
+    committed = (tmp_path / "params.yaml").read_text()
+    run = subprocess.Popen([sys.executable, "-c", LIVE_RUN], cwd=tmp_path, stdout=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert run.stdout.readline().strip() == "holding"
+        monkeypatch.chdir(tmp_path)
+        runner = CliRunner()
+        live = runner.invoke(app, ["params", "diff"])
+        assert live.exit_code == 0 and "base.seed: 0 -> 5" in live.output, live.output
+        assert f"a run in progress (pid {run.pid} on" in live.output and "point-1" in live.output, live.output
+        assert "interrupted" not in live.output and "reset" not in live.output, live.output
+        refused = runner.invoke(app, ["params", "reset"])
+        assert refused.exit_code == 2 and "a run in progress holds this workspace" in refused.output, refused.output
+        from flows.overrides import restore_after_killed_run
+
+        assert restore_after_killed_run(tmp_path) is None  # what a sweep does first: the live run's file stays
+        assert "seed: 5" in (tmp_path / "params.yaml").read_text()
+    finally:
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+    interrupted = CliRunner().invoke(app, ["params", "diff"])
+    assert "an interrupted run left its overrides in params.yaml" in interrupted.output, interrupted.output
+    assert "base.seed: 0 -> 5" in interrupted.output
+    assert CliRunner().invoke(app, ["params", "reset"]).exit_code == 0
+    assert (tmp_path / "params.yaml").read_text() == committed
