@@ -166,6 +166,22 @@ def test_good_conversations_pass(templated_workspace, kind):
     assert "conversations render with the tokenizer's chat template" in checks
 
 
+@pytest.mark.parametrize("kind", CONVERSATIONAL)
+def test_a_tokenizer_without_a_chat_template_is_one_error_naming_it(tmp_path, monkeypatch, tokenizer, kind):
+    """Valid conversations checked with a tokenizer that has no chat template failed every row with
+    ChatTemplateError (exit 1, as if the data were bad) at 2a5c0fd: now one error naming the tokenizer and the
+    ways out (exit 2); plain-text data still validates with it."""
+    monkeypatch.chdir(tmp_path)
+    tokenizer.save_pretrained(tmp_path / "tok")  # a word tokenizer with no chat template
+    result = validate(write_jsonl(tmp_path / f"{kind}.jsonl", CONVERSATIONAL[kind]), kind)
+    assert result.exit_code == 2, result.output
+    assert "has no chat template" in result.output and "'tok'" in result.output, result.output
+    assert "--skip-token-lengths" in result.output and "prepare.chat_template" in result.output, result.output
+    assert "ChatTemplateError" not in result.output and "row" not in result.output, result.output
+    plain = validate(write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "w2 w3"}]), "prompts")
+    assert plain.exit_code == 0, plain.output
+
+
 def failed_checks_naming(workspace, kind: str, rows: list[dict], description: str, bad_rows: list[int]) -> list:
     """`rlhf validate` of `rows` fails, with a failed check starting with `description` that names `bad_rows`;
     returns every failed check."""

@@ -197,6 +197,13 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
             reports[name]["checks"] = [entry("file_is_readable", "the file can be read", "", [], error=str(err))]
             continue
         layout = detect_layout(rows, LAYOUT_KIND[kind])
+        if budget.tokenizer is not None and not getattr(budget.tokenizer, "chat_template", None) \
+                and chat.is_conversational(rows):  # one error of the setup, not a failed check on every row
+            raise ValidateError(f"{path} is conversational but the tokenizer "
+                                f"{budget.tokenizer.name_or_path!r} has no chat template, so its conversations "
+                                "cannot be rendered and measured in tokens. Use a chat model's tokenizer "
+                                "(--tokenizer), set prepare.chat_template in params.yaml to a Jinja file, or pass "
+                                "--skip-token-lengths")
         frame, plain[name] = to_frame(rows, layout)
         frames[name] = frame
         if budget.tokenizer is not None:
