@@ -1,4 +1,4 @@
-"""One PPO/RLOO update on a fixed rollout, run by 1 process or by `torchrun --nproc_per_node 2`.
+"""One PPO/RLOO/GRPO update on a fixed rollout, run by 1 process or by `torchrun --nproc_per_node 2`.
 
 Every process builds the same global rollout (same seed), keeps its shard, computes the advantages of its
 shard (whitening and normalization must use the global batch's statistics) and optimizes; rank 0 saves the
@@ -30,7 +30,8 @@ def main(algo: str, out: str, num_mini_batches: int = 1) -> None:
                    num_mini_batches=num_mini_batches,
                    gradient_accumulation_steps=ACCUMULATION, num_epochs=2, local_rollout_forward_batch_size=GLOBAL_EPISODES,
                    response_length=6, stop_token="eos", temperature=1.0, learning_rate=1e-3, kl_coef=0.05,
-                   rloo={"rloo_k": 2, "normalize_reward": True, "normalize_advantage": True})
+                   rloo={"rloo_k": 2, "normalize_reward": True, "normalize_advantage": True},
+                   grpo={"num_generations": 4, "scale_rewards": "batch", "loss_type": "dapo"})
     tokenizer = word_tokenizer(16)
     config = tiny_gpt_neox_config(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                                   max_positions=64)

@@ -20,9 +20,10 @@ def run(args: list[str], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, mini_batches", [("ppo", "1"), ("rloo", "1"), ("rloo", "2")])
+@pytest.mark.parametrize("algo, mini_batches", [("ppo", "1"), ("rloo", "1"), ("rloo", "2"), ("grpo", "2")])
 def test_two_processes_match_one(algo, mini_batches, tmp_path):
-    """With 2 mini-batches, one generation feeds two optimizer steps per epoch (TRL's steps_per_generation)."""
+    """With 2 mini-batches, one generation feeds two optimizer steps per epoch (TRL's steps_per_generation). GRPO:
+    the batch-wide std (scale_rewards batch) and dapo's token mean over each optimizer step are global."""
     run([sys.executable, str(SCRIPT), algo, "one.pt", mini_batches], tmp_path)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     run([*torchrun, str(SCRIPT), algo, "two.pt", mini_batches], tmp_path)

@@ -23,8 +23,8 @@ SETTINGS = ["train.total_episodes=384", "train.response_length=16", "train.check
 STARTUP_S = 300  # a bound on waiting, not a timing assertion
 
 
-def train_command() -> list[str]:
-    return [str(BIN / "rlhf"), "stage", "train", *[x for item in SETTINGS for x in ("--set", item)]]
+def train_command(extra: list[str] = ()) -> list[str]:
+    return [str(BIN / "rlhf"), "stage", "train", *[x for item in [*SETTINGS, *extra] for x in ("--set", item)]]
 
 
 def make_workspace(root: Path, make_policy, make_scorer_model, tokenizer) -> Path:
@@ -40,8 +40,13 @@ def make_workspace(root: Path, make_policy, make_scorer_model, tokenizer) -> Pat
     return root
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "RLHF_TRACKING": "off", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "RLHF_TRACKING": "off", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **extra}
+
+
+# GRPO at TRL's beta 0 (no reference model), on one fixed thread count: torch's reductions then add in one order in
+# both runs, so the resumed policy must be bit-identical (the thread count otherwise follows the machine's load)
+ALGOS = {"ppo": ([], {}, 1e-5), "grpo": (["train.algo=grpo", "train.kl_coef=0"], {"RLHF_THREADS": "1"}, 0.0)}
 
 
 def checkpoints(root: Path) -> list[Path]:
@@ -49,13 +54,16 @@ def checkpoints(root: Path) -> list[Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("algo", list(ALGOS))
 def test_sigkill_after_a_checkpoint_then_rerun_resumes_to_the_same_policy(tmp_path, make_policy,
-                                                                         make_scorer_model, tokenizer):
+                                                                         make_scorer_model, tokenizer, algo):
+    settings, extra_env, tolerance = ALGOS[algo]
     whole = make_workspace(tmp_path / "whole", make_policy, make_scorer_model, tokenizer)
     killed = make_workspace(tmp_path / "killed", make_policy, make_scorer_model, tokenizer)
-    subprocess.run(train_command(), cwd=whole, env=env(), check=True, capture_output=True, timeout=600)
+    subprocess.run(train_command(settings), cwd=whole, env=env(**extra_env), check=True, capture_output=True,
+                   timeout=600)
 
-    proc = subprocess.Popen(train_command(), cwd=killed, env=env(), stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(train_command(settings), cwd=killed, env=env(**extra_env), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + STARTUP_S
     while not checkpoints(killed):
@@ -66,15 +74,17 @@ def test_sigkill_after_a_checkpoint_then_rerun_resumes_to_the_same_policy(tmp_pa
     assert proc.returncode == -signal.SIGKILL and not (killed / "metrics" / "train.json").exists(), \
         "killed before it finished"
 
-    rerun = subprocess.run(train_command(), cwd=killed, env=env(), capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(train_command(settings), cwd=killed, env=env(**extra_env), capture_output=True, text=True,
+                           timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     metrics = json.loads((killed / "metrics" / "train.json").read_text())
     execution = json.loads((killed / "reports" / "execution" / "train.json").read_text())
     assert execution["resumed_from_update"] >= 1 and metrics["update"] == 6, (metrics, execution)
+    assert ("objective/kl" in metrics) == (algo == "ppo"), "GRPO at beta 0 trains with no reference: no KL"
     resumed, reference = (load_file(root / "models" / "policy" / "model.safetensors") for root in (killed, whole))
     assert resumed.keys() == reference.keys()
     for name, value in reference.items():
-        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(resumed[name], value, rtol=tolerance, atol=tolerance / 10, msg=name)
 
 
 def _disk_of(size_bytes: int, where: Path) -> bool:
