@@ -95,34 +95,85 @@ def test_without_a_gold_reward_there_is_no_fit_and_the_reward_model_decides():
 
 
 
-def test_the_figure_zooms_onto_points_crowded_near_each_other_and_shows_the_budget_near_them():
-    """The demo's turn is a few hundredths wide next to the reference's (0, 0): an inset zooms onto the points, each
-    algorithm's joined in order of drift. Points spread over the panel need none."""
+def _rounded(points) -> list[tuple[float, float]]:
+    return [(round(float(x), 6), round(float(y), 6)) for x, y in points]
+
+
+def _drawn_points(ax) -> set[tuple[float, float]]:
+    """The (x, y) of every marker a scatter drew in `ax`."""
+    from matplotlib.collections import PathCollection
+
+    return {p for c in ax.collections if isinstance(c, PathCollection) for p in _rounded(c.get_offsets())}
+
+
+def _shown(ax, x: float, y: float) -> bool:
+    (x0, x1), (y0, y1) = sorted(ax.get_xlim()), sorted(ax.get_ylim())
+    return x0 <= x <= x1 and y0 <= y <= y1
+
+
+def _where_readable(fig, panel, points: list[tuple[float, float]]):
+    """The axes drawn on `panel`'s area (the panel or one inside it) where a reader can tell the points apart: each
+    drawn as a marker within its limits, their values spread over at least 40 % of its height on the page."""
+    from matplotlib.axes import Axes
+
+    fig.canvas.draw()
+    area = panel.get_window_extent()
+    for ax in fig.findobj(Axes):
+        box = ax.get_window_extent()
+        if not (area.x0 <= box.x0 and box.x1 <= area.x1 and area.y0 <= box.y0 and box.y1 <= area.y1):
+            continue
+        if all(_shown(ax, *p) for p in points) and set(_rounded(points)) <= _drawn_points(ax):
+            heights = ax.transData.transform(points)[:, 1]  # pixels on the page
+            if heights.max() - heights.min() >= 0.4 * box.height:
+                return ax
+    return None
+
+
+def _legend(ax) -> list[str]:
+    legend = ax.get_legend()
+    return [text.get_text() for text in legend.get_texts()] if legend else []
+
+
+def test_the_figure_shows_every_point_where_a_reader_can_tell_them_apart_and_the_budget_near_them():
+    """What a reader sees on the drawn page. The demo's turn is a few hundredths wide next to the reference's (0, 0):
+    each panel (titled by its score) shows every measured point at (sqrt KL, gain), and somewhere on its area (the
+    panel or a zoom inside it) the points are spread over enough of the height to read their order, each algorithm's
+    joined in order of drift; the KL budget near them is drawn and named. Points spread over the panel are readable in
+    it, with nothing drawn over it, and a budget far beyond them is not drawn."""
+    from matplotlib.axes import Axes
+
     from tasks.common.plots import plt
 
     crowded = [_point([f"train.kl_coef={c}", f"train.algo={a}"], a, 0, gold, rm, kl) for c, a, gold, rm, kl in (
         (0.3, "ppo", 0.503, 1.783, 1.43), (0.15, "ppo", 0.517, 1.827, 1.81), (0.02, "ppo", 0.493, 1.855, 2.37),
         (0.3, "rloo", 0.497, 1.825, 1.85), (0.02, "rloo", 0.473, 1.908, 2.89))]
     fig = frontier_figure(frontier(crowded, "win_rate_gold", 4.0, 0.01))
-    gold_panel, rm_panel = fig.axes[:2]
-    for panel, key in ((gold_panel, "gold_gain"), (rm_panel, "rm_gain")):
-        [zoom] = panel.child_axes
-        values = [p["figures"]["mean_score_gold" if key == "gold_gain" else "mean_score_rm"] for p in crowded]
-        low, high = zoom.get_ylim()
-        assert low < min(values) and max(values) < high and high - low < 0.5 * (max(values) - 0), (low, high)
-        drifts = {math.sqrt(p["figures"]["mean_kl"]) for p in crowded}
-        joined = [line for line in zoom.get_lines() if set(line.get_xdata()) <= drifts]
-        assert sorted(len(line.get_xdata()) for line in joined) == [2, 3], "each algorithm's points, joined"
-        assert all(list(line.get_xdata()) == sorted(line.get_xdata()) for line in joined), "in order of drift"
-        assert "KL budget (register.max_kl=4)" in panel.get_legend_handles_labels()[1], "sqrt(4) lies near the points"
-        assert panel.get_xlim()[1] > 2.0
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    for title, score in (("gold score vs drift", "mean_score_gold"), ("reward-model score vs drift", "mean_score_rm")):
+        panel = panels[title]
+        points = [(math.sqrt(p["figures"]["mean_kl"]), p["figures"][score]) for p in crowded]
+        assert all(_shown(panel, *p) for p in points) and set(_rounded(points)) <= _drawn_points(panel), title
+        readable = _where_readable(fig, panel, points)
+        assert readable is not None, f"{title}: the points crowd into a sliver of the panel and nothing zooms onto them"
+        for algo in ("ppo", "rloo"):
+            mine = sorted((math.sqrt(p["figures"]["mean_kl"]), p["figures"][score]) for p in crowded if p["algo"] == algo)
+            lines = [_rounded(line.get_xydata()) for line in readable.get_lines()]
+            assert _rounded(mine) in lines, f"{title}: {algo}'s points not joined in order of drift"
+        assert "KL budget (register.max_kl=4)" in _legend(panel), _legend(panel)
+        budget = [line for line in panel.get_lines() if list(line.get_xdata()) == [2.0, 2.0]]  # sqrt(4)
+        assert budget and _shown(panel, 2.0, panel.get_ylim()[0]), f"{title}: the budget at sqrt(4) is not drawn"
     plt.close(fig)
 
     spread = [_point(["train.kl_coef=0.3"], "ppo", 0, 0.2, 0.5, 0.5), _point(["train.kl_coef=0.02"], "ppo", 0, 0.6, 1.5, 2.0)]
     fig = frontier_figure(frontier(spread, "win_rate_gold", 100.0))
-    assert not any(ax.child_axes for ax in fig.axes), "points spread over the panel need no zoom"
-    assert not any("KL budget" in label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]), \
-        "a budget (sqrt 10) far beyond the farthest point (sqrt 2) would squash the frontier"
+    for panel in fig.axes:
+        key = "mean_score_gold" if panel.get_title().startswith("gold") else "mean_score_rm"
+        points = [(math.sqrt(p["figures"]["mean_kl"]), p["figures"][key]) for p in spread]
+        assert _where_readable(fig, panel, points) is panel, f"{panel.get_title()}: readable in the panel itself"
+        assert not any("KL budget" in label for label in _legend(panel)), \
+            "a budget (sqrt 10) far beyond the farthest point (sqrt 2) would squash the frontier"
+    assert len(fig.findobj(Axes)) == len(fig.axes), \
+        "nothing drawn over panels whose points are readable"
     plt.close(fig)
 
 
