@@ -53,14 +53,16 @@ GPU_GUIDE_COMMANDS = {
 }
 
 
-def test_lora_policy_trains_adapter_only(tokenizer, prompts, make_policy):
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_lora_policy_trains_adapter_only(tokenizer, prompts, make_policy, algo):
     base = make_policy()
     frozen_copy = {k: v.clone() for k, v in base.state_dict().items()}
     policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["query_key_value", "dense_h_to_4h"],
                                              lora_dropout=0.0))
-    cfg = RLConfig(algo="rloo", total_episodes=96, per_device_train_batch_size=8, gradient_accumulation_steps=4,
+    # num_generations: RLOO's rloo_k, GRPO's group; beta 0.05 gives GRPO a reference (TRL's default 0 loads none)
+    cfg = RLConfig(algo=algo, total_episodes=96, per_device_train_batch_size=8, gradient_accumulation_steps=4,
                    num_epochs=1, local_rollout_forward_batch_size=32, response_length=6, stop_token=None,
-                   missing_eos_penalty=None, learning_rate=1e-2, rloo={"rloo_k": 4})
+                   missing_eos_penalty=None, learning_rate=1e-2, num_generations=4, beta=0.05)
     trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
                         stop_token_id=1)
     assert trainer.ref_policy is None, "a PEFT policy's reference is its own base model"
@@ -166,15 +168,19 @@ def test_a_lora_run_saves_the_merged_policy_and_its_adapter_and_resumes(tmp_path
 
 
 @pytest.mark.slow
-def test_lora_train_stage_on_two_processes_under_ddp_and_zero3(tmp_path, make_policy, make_scorer_model, tokenizer):
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_lora_train_stage_on_two_processes_under_ddp_and_zero3(tmp_path, make_policy, make_scorer_model, tokenizer,
+                                                               algo):
     """The real stage through the launcher: torchrun (gloo DDP) and accelerate + DeepSpeed ZeRO-3, 2 ranks each.
     The adapter starts from one seeded init on every rank, the reference is the base with the adapter off, and both
-    launches end with the same merged policy (episode-keyed sampling: the same completions)."""
+    launches end with the same merged policy (episode-keyed sampling: the same completions). GRPO: params.yaml's
+    kl_coef is its beta (a reference), 8 generations per prompt (4 prompts per rank)."""
     layouts = {"ddp": [], "zero3": ["runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml"]}
     policies = {}
     for name, extra in layouts.items():
         root = make_workspace(tmp_path / name, make_policy, make_scorer_model, tokenizer)
-        proc = stage_train(root, ["runtime.num_processes=2", "train.gradient_accumulation_steps=4", *extra])
+        proc = stage_train(root, ["runtime.num_processes=2", "train.gradient_accumulation_steps=4",
+                                  f"train.algo={algo}", *extra])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         metrics = json.loads((root / "metrics" / "train.json").read_text())
         expected = "DEEPSPEED" if name == "zero3" else "MULTI_CPU"
