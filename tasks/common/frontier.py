@@ -284,7 +284,7 @@ def _fit_label(algo: str, fit: dict, judged: dict | None) -> str:
 
     peak = f", peak at KL {fit['peak_kl']:.2g}" if fit["peak_kl"] else ""
     said = "" if judged is None else ("; over-optimization" if judged["over_optimization"] else "; turn not shown")
-    return f"{algo} fit: α={value('alpha')}, β={value('beta')}{peak}{said}"
+    return f"{algo} fit{peak}{said}\n  α={value('alpha')}, β={value('beta')}"
 
 
 def _points_crowd(points: Sequence[dict], key: str) -> bool:

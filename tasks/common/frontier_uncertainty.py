@@ -237,8 +237,8 @@ def _more_samples(fall: float, half_width: float, n_prompts: int, seeds: int) ->
     prompts = math.ceil(n_prompts * factor)
     seed_text = ("more seeds (--grid base.seed=0,1,2: one seed's interval covers the prompts only, and a seed "
                  "moves the gains too)" if seeds == 1 else f"about {math.ceil(seeds * factor)} seeds")
-    return (f"more evaluation prompts (about {prompts}: evaluate.num_prompts, with prepare's held-out prompts as "
-            f"many) and {seed_text}")
+    return (f"more evaluation prompts (about {prompts}: evaluate.num_prompts, and as many held-out prompts, "
+            f"prepare.world.prompts_eval in the demo world) and {seed_text}")
 
 
 # ------------------------------------------------------------------------------------------ the words
@@ -272,10 +272,10 @@ def verdict_text(algo: str, judged: dict) -> list[str]:
                 f"{judged['to_setting']} ({judged['level']:.0%} interval {low:+.3f} to {high:+.3f}), beyond the "
                 f"fitted peak{note}"]
     return [f"{algo}: over-optimization not claimed: " + "; ".join(judged["reasons"]) + ".",
-            *(["To decide it, run:", *(f"- {item}" for item in judged["to_run"])] if judged["to_run"] else [])]
+            *(["", "To decide it, run:", "", *(f"- {item}" for item in judged["to_run"])] if judged["to_run"] else [])]
 
 
 def gain_text(value: float | None, ci: list | None) -> str:
     if value is None:
         return "–"
-    return f"{value:+.3f}" + (f" [{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "")
+    return f"{value:+.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
