@@ -18,7 +18,7 @@ from rlhf_core.world.generator import SYSTEM_PROMPT, build_world
 from rlhf_core.world.gold import gold_reward
 from rlhf_core.world.tokenizer import train_tokenizer
 from tasks.stages.prepare import normalize
-from tests.test_pipeline import TINY, run_all_stages
+from tests.test_pipeline import TINY, invoke, run_all_stages
 
 # The word tokenizer's words (one token each) joined by spaces; the generation prompt is the space before the answer.
 WORD_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' and persona is defined %}{{ persona }} "
@@ -224,6 +224,14 @@ def test_the_pipeline_runs_on_the_conversational_world(workspace):
     assert all(isinstance(r["completion"], str) for r in completions)
     evaluation = json.loads((workspace / "metrics" / "eval.json").read_text())
     assert {"win_rate_gold", "win_rate_rm", "mean_kl"} <= set(evaluation)
+    # GRPO on the same templated prompts and models: its train and evaluate stages (8 completions per prompt)
+    grpo = [x for item in TINY + ["prepare.world.conversational=true", "train.algo=grpo"] for x in ("--set", item)]
+    for name in ("train", "evaluate"):
+        invoke("stage", name, *grpo)
+    trained = json.loads((workspace / "metrics" / "train.json").read_text())
+    assert "kl" in trained and "clip_ratio/region_mean" in trained, "GRPO's loss logged its own figures (TRL's kl)"
+    completions = [json.loads(line) for line in (workspace / "reports" / "eval" / "completions.jsonl").open()]
+    assert completions and all(chat.is_conversation(r["prompt"]) for r in completions)
 
 
 # -- every layout `prepare` reads validates as it is (tasks/common/layouts.py) ----------------------------------------
