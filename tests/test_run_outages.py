@@ -10,6 +10,7 @@ retried queue as a stage's. Against MLflow's tracking server app on sqlite (test
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -64,6 +65,8 @@ def test_a_pipeline_run_ending_while_the_server_is_down_loses_nothing(served_wor
     assert {"dvc.lock", "metrics"} <= _artifacts(client, parent)
     assert _artifacts(client, parent, "metrics") == {"metrics/eval.json", "metrics/train.json"}
     assert _each_once(client, parent) == {"eval/win_rate_rm": 1, "eval/mean_kl": 1}
+    outages = json.loads(run.data.tags["rlhf.tracking_outages"])  # the run says what it met, and that it drained
+    assert outages and all(o["failed_sends"] >= 1 and o["writes"] >= 1 for o in outages), outages
 
 
 def test_a_pipeline_run_whose_server_never_comes_back_fails_naming_it_and_the_rerun_sends_it(

@@ -4,16 +4,19 @@ tags, artifacts, tables, the run's end.
 Against a tracking server (http) every write goes into one ordered queue that a background thread sends, each
 call retried until it gets through while its failure is transient (tasks/common/transient.py: connection
 refused, timeout, HTTP 5xx): training never waits on the network, and a server that drops for a while (a restart,
-a network blip) loses nothing. `close()` waits for the queue to drain for up to RLHF_MLFLOW_RETRY_S seconds
-(default 600) and then raises `TrackingUnavailable`, naming the server and each write not sent: the stage
-or run fails, and the flow retries it. A write in flight when the time is up is waited for: it is either
-confirmed or reported unsent, never both. A refusal a retry cannot fix (a bad value, a run that is not there) is
-never swallowed: the writes after it still go, the run's end becomes FAILED, and `close()` raises
-`TrackingRefused` naming each refused write. An outage is logged as warnings (the stage's log): the first failed send ("... failed
-(...); buffered, retried until the server takes them"), each write buffered behind it ("server down: ..."), and
-the end ("the server takes metrics ... again after S s and K failed tries; backlog drained: B batches (M metrics)
-sent, none lost"); no line carries a credential (a URL's user:password is cut out). A local sqlite store is
-written in the caller's thread; a write it refuses is logged at once and fails the run at `close()`, as above.
+a network blip, its database down) loses nothing. `close()` waits for the queue to drain for up to
+RLHF_MLFLOW_RETRY_S seconds (default 600) and then raises `TrackingUnavailable`, naming the server and each write
+not sent: the stage or run fails, and the flow retries it. A write in flight when the time is up is waited for:
+it is either confirmed or reported unsent, never both. A refusal a retry cannot fix (a bad value, a run that is
+not there) is never swallowed: the writes after it still go, the run's end becomes FAILED, and `close()` raises
+`TrackingRefused` naming each refused write.
+
+An outage is logged as warnings (the stage's log): the first failed send ("... failed (...); buffered, retried
+until the server takes them"), each write buffered behind it ("server down: ..."), and the end ("the server takes
+metrics ... again after S s and K failed tries; backlog drained: B batches (M metrics) sent, none lost"), which
+the run also keeps as its tag `rlhf.tracking_outages`; no line carries a credential (a URL's user:password is cut
+out). A local sqlite store is written in the caller's thread; a write it refuses is logged at once and fails the
+run at `close()`, as above.
 
 A write sent twice (a retry after a timeout whose reply was lost) lands once: metrics carry the time they were
 logged, and MLflow's stores drop a metric equal in key, step, value and time; params, tags, the run's end and
@@ -182,8 +185,8 @@ class MlflowTracker:
             listed = f"{metrics} metrics" + (f", {what}" if what else "") if metrics else what
             raise TrackingUnavailable(
                 f"MLflow at {where} did not take run {self.run_id}'s writes within {retry_seconds():.0f} s "
-                f"({RETRY_ENV}; last failure: {cause or 'none recorded'}). Not sent: {listed}.{refused} Run it "
-                f"again once the server is back (the flow retries a stage).", cause)
+                f"({RETRY_ENV}; last failure: {cause or 'none recorded'}{server_says(self.client)}). Not sent: "
+                f"{listed}.{refused} Run it again once the server is back (the flow retries a stage).", cause)
         if self.refused:
             raise TrackingRefused(f"MLflow at {where} refused writes of run {self.run_id}: "
                                   f"{'; '.join(self.refused)}. The run ends FAILED.")
@@ -222,8 +225,9 @@ def retrying(what: str, fn: Callable[..., T], *args, server: str = "",
             failed = True
             where = server or cause.server or "the tracking server"
             if time.monotonic() >= give_up_at:
+                said = server_says(getattr(fn, "__self__", None))
                 raise TrackingUnavailable(f"MLflow at {where} did not answer within {retry_seconds():.0f} s "
-                                          f"({RETRY_ENV}; {cause}): {what} not done", cause) from err
+                                          f"({RETRY_ENV}; {cause}{said}): {what} not done", cause) from err
             if not warned:
                 log.warning("MLflow at %s: %s failed (%s); retried until it answers (up to %.0f s, %s)", where, what,
                             _describe(err), retry_seconds(), RETRY_ENV)
@@ -232,6 +236,7 @@ def retrying(what: str, fn: Callable[..., T], *args, server: str = "",
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 
+OUTAGES_TAG = "rlhf.tracking_outages"  # the outages a run's writes met, each drained with nothing lost (JSON)
 CREATE_REQUEST_TAG = "rlhf.create_request"  # one id per create_run call: how a retry finds the run a lost reply made
 
 
@@ -281,6 +286,30 @@ def registered_model_or_none(client, name: str):
         raise
 
 
+def server_says(client) -> str:
+    """What a tracking server that keeps failing says when asked once, without retries: "; the server says:
+    its database does not answer (TEMPORARILY_UNAVAILABLE: ...)" for a server up whose database is down, else
+    ''. (A client's retries give up on a 5xx without reading its body, which names the cause.)"""
+    uri = getattr(client, "tracking_uri", None) or getattr(getattr(client, "_client", None), "tracking_uri", None)
+    if not isinstance(uri, str) or not uri.startswith(("http://", "https://")):
+        return ""
+    try:
+        from mlflow.utils.credentials import get_default_host_creds
+        from mlflow.utils.rest_utils import http_request
+
+        answer = http_request(get_default_host_creds(uri), "/api/2.0/mlflow/experiments/search", "GET",
+                              params={"max_results": 1}, max_retries=0, raise_on_status=False, timeout=10)
+        if answer.status_code < 500:
+            return ""
+        body = answer.json()
+    except Exception:  # not answering at all, or not JSON: the failure already says it
+        return ""
+    message = re.sub(r"(\w+://)[^/@\s]+@", r"\1", " ".join(str(body.get("message", "")).split()))[:300]
+    database = "OperationalError" in message or "database" in message.lower()
+    return (f"; the server says: {'its database does not answer ' if database else ''}"
+            f"({body.get('error_code', answer.status_code)}: {message})")
+
+
 def _describe(err: Exception) -> str:
     """The error's first line, short, without any user:password of a URL in it."""
     first = (str(err).splitlines() or [""])[0]
@@ -309,6 +338,7 @@ class _Sender:
         self._cause: Transient | None = None  # the outage's last failure
         self._failures = 0  # failed sends in this outage
         self._backlog = [0, 0]  # writes, metrics sent since the outage began
+        self._outages: list[dict] = []  # the outages met and drained, for the run's tag OUTAGES_TAG
 
     def put(self, write: Write) -> None:
         with self._cond:
@@ -325,6 +355,11 @@ class _Sender:
                 self._thread = threading.Thread(target=self._run, name=f"mlflow-writes-{self.run_id[:8]}", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def _outage_record(self) -> Write:
+        """The run's tag OUTAGES_TAG: each outage it met, as JSON (how long, failed sends, the backlog sent)."""
+        text = json.dumps(self._outages)
+        return Write("the outage record", lambda: self._tracker.client.set_tag(self.run_id, OUTAGES_TAG, text))
 
     def drain(self, timeout_s: float) -> tuple[list[Write], Transient | None]:
         """Wait until every write is sent or `timeout_s` passes: (the writes not sent, the last failure). A send
@@ -363,9 +398,13 @@ class _Sender:
                     self._backlog[0] += 1
                     self._backlog[1] += write.metrics
                     if not self._queue:
+                        down_s = time.monotonic() - self._down_since
                         log.warning("MLflow: the server takes metrics of run %s again after %.0f s and %d failed "
                                     "tries; backlog drained: %d batches (%d metrics) sent, none lost", self.run_id,
-                                    time.monotonic() - self._down_since, self._failures, *self._backlog)
+                                    down_s, self._failures, *self._backlog)
+                        self._outages.append({"down_s": round(down_s, 1), "failed_sends": self._failures,
+                                              "writes": self._backlog[0], "metrics": self._backlog[1]})
+                        self._queue.append(self._outage_record())
                         self._down_since, self._failures, self._backlog = None, 0, [0, 0]
                 self._busy = False
                 self._cond.notify_all()
