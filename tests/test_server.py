@@ -7,14 +7,17 @@ a DVC remote on the stack's S3. Then, on the real servers:
 1. a run triggered through the Prefect API (with overrides) is killed with its worker mid-training: the server
    marks it Crashed (heartbeats stop); the worker comes back;
 2. the next run skips the finished stages and resumes train from its checkpoint; while it trains, the MLflow
-   server is down for a minute (stopped, then restarted): the train stage's log shows its metric sends failing,
-   buffered and retried until the backlog drained, and every train update's metrics (steps 1..N, values as in
-   metrics/train_history.json, some logged during the outage) are on the server;
+   server is down for a minute (stopped, then restarted): the train run's outage record (tag
+   rlhf.tracking_outages) shows its sends failing and the backlog sent once it was back, and every train update's
+   metrics (steps 1..N, once each, values as in metrics/train_history.json, some logged during the outage) are on
+   the server;
 3. runs, metrics, artifacts (really in the S3 bucket) and the registered model version are on MLflow;
    unauthenticated requests are refused by both servers;
 4. `dvc push`, a fresh clone, `dvc pull`: every output and metric restored byte for byte (metrics/register.json,
    git-ignored, from the remote); `dvc status` in the clone is clean;
-5. no secret of the stack appears in params, MLflow params/tags/artifacts, Prefect parameters/logs or any log.
+5. no secret of the stack appears in params, MLflow params/tags/artifacts, Prefect parameters/logs or any log;
+6. Postgres stops under the MLflow server while a stage logs, and starts again: nothing lost, the run FINISHED;
+   kept down: the stage fails naming the database, the server holds no part of a write, the rerun sends it all.
 """
 
 from __future__ import annotations
