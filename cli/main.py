@@ -247,13 +247,23 @@ def _registry_line(root) -> str | None:
     return None if report is None else registry_verdict(root, report)
 
 
-@app.command()
-def serve() -> None:
-    """Serve the deployments in prefect.yaml (manual, and nightly on a cron) against a Prefect server.
+def _serve_help() -> str:
+    from flows.deployments import deployment_names
+
+    try:
+        listed = "; ".join(deployment_names())
+    except (OSError, ValueError, KeyError):  # no readable prefect.yaml beside the package: say what serve reads
+        listed = "those prefect.yaml lists"
+    return f"""Serve the deployments in prefect.yaml against a Prefect server: {listed}.
 
     Start one first (`prefect server start`) and set PREFECT_API_URL (http://127.0.0.1:4200/api). Runs
-    triggered from the UI then execute here, one at a time, in this workspace.
+    triggered from the UI or by a schedule then execute here, one at a time, in this workspace. Ctrl-C or
+    SIGTERM stops serving and pauses the deployments' schedules (not when the server is already gone).
     """
+
+
+@app.command(help=_serve_help())
+def serve() -> None:
     import os
 
     if not os.environ.get("PREFECT_API_URL"):
@@ -261,12 +271,15 @@ def serve() -> None:
                    "`export PREFECT_API_URL=http://127.0.0.1:4200/api`, then run `rlhf serve` again.", err=True)
         raise typer.Exit(2)
     _check_servers(prefect_only=True)
-    from flows.deployments import serve_deployments
+    from flows.deployments import deployment_names, serve_deployments
     from flows.prefect_env import use_local_prefect
+    from flows.servers import redact
     from tasks.common.progress import quiet_libraries
 
     use_local_prefect(Path.cwd())
     quiet_libraries()
+    typer.echo(f"serving {', '.join(deployment_names(Path.cwd()))} against {redact(os.environ['PREFECT_API_URL'])}; "
+               "runs execute here, one at a time. Ctrl-C to stop.")
     serve_deployments(Path.cwd())
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 PREFECT_YAML = "prefect.yaml"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def deployment_specs(root: str | Path) -> list[dict]:
@@ -38,8 +39,67 @@ def runner_deployments(root: str | Path) -> list:
         for spec in deployment_specs(root)]
 
 
-def serve_deployments(root: str | Path) -> None:
-    """Blocks, running each triggered or scheduled flow run in a subprocess, one at a time."""
-    from prefect import serve
+def deployment_names(root: str | Path = REPO) -> list[str]:
+    """`rlhf-pipeline/nightly (cron 0 2 * * * UTC)`: each deployment as `rlhf serve` registers it, with its
+    schedules, read without importing Prefect (for the command's help). The flow of an entrypoint
+    `flows/pipeline.py:rlhf_pipeline` is named `rlhf-pipeline`."""
+    names = []
+    for spec in deployment_specs(root):
+        flow = spec["entrypoint"].rpartition(":")[2].replace("_", "-")
+        crons = [f"cron {s['cron']}{' ' + s['timezone'] if s.get('timezone') else ''}"
+                 for s in spec.get("schedules") or [] if "cron" in s]
+        names.append(f"{flow}/{spec['name']}" + (f" ({', '.join(crons)})" if crons else ""))
+    return names
 
-    serve(*runner_deployments(root), limit=1)
+
+PAUSE_CHECK_S = 3.0  # at shutdown, how long the server may take to answer before the pause is skipped
+
+
+def serve_deployments(root: str | Path) -> None:
+    """Blocks, running each triggered or scheduled flow run in a subprocess, one at a time, until a Ctrl-C or a
+    SIGTERM; then pauses the deployments' schedules (what Prefect's `serve` does), unless the server is gone."""
+    import asyncio
+
+    from prefect.exceptions import TerminationSignal
+
+    runner = _runner()(limit=1)
+    for deployment in runner_deployments(root):
+        runner.add_deployment(deployment)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
+
+
+def _runner():
+    """Prefect's Runner (what `prefect.serve` runs), stopping on a SIGTERM as on a Ctrl-C, and skipping the
+    pause of its deployments when the server does not answer. Prefect's own SIGTERM handler calls the runner's
+    stop() inside the event loop, where it returns a coroutine nobody awaits ("RuntimeWarning: coroutine
+    'Runner.astop' was never awaited"), then exits mid-loop; and its pause retried a stopped server for 40 s+."""
+    import signal
+
+    from prefect.runner import Runner
+
+    class ServeRunner(Runner):
+        def handle_sigterm(self, *args, **kwargs) -> None:
+            self._logger.info("SIGTERM received, shutting down...")
+            signal.raise_signal(signal.SIGINT)  # asyncio.run's Ctrl-C: cancels the serve loop, which unwinds
+
+        async def __aexit__(self, *exc_info) -> None:
+            if self.pause_on_shutdown and not _server_answers():
+                self._logger.warning("the Prefect server does not answer: the deployments' schedules are not "
+                                     "paused (pause them in the UI, or run `rlhf serve` again and stop it)")
+                self.pause_on_shutdown = False
+            await super().__aexit__(*exc_info)
+
+    return ServeRunner
+
+
+def _server_answers() -> bool:
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        return httpx.get(f"{PREFECT_API_URL.value().rstrip('/')}/health", timeout=PAUSE_CHECK_S).status_code == 200
+    except httpx.HTTPError:
+        return False
