@@ -195,7 +195,8 @@ def main(argv: list[str]) -> int:
 class _LastGood:
     """A stage's outputs as dvc.lock records them, kept to be put back if its run does not succeed: the cached ones
     are in DVC's cache already (`dvc checkout` of the stage brings them back); the `cache: false` ones (metrics
-    JSON, small) are copied aside first. Nothing is kept for a stage that has no dvc.lock entry yet."""
+    JSON, small) and the `persist` ones (register.json: DVC leaves them to the stage, which may have changed them)
+    are copied aside first. Nothing is kept for a stage that has no dvc.lock entry yet."""
 
     def __init__(self, repo, name: str):
         self.repo, self.name, self.copies = repo, name, None
@@ -208,7 +209,7 @@ class _LastGood:
         if self.stage is None:
             return
         self.copies = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-last-good-"))
-        for i, out in enumerate(o for o in stage.outs if not o.use_cache):
+        for i, out in enumerate(self._aside()):
             path = Path(out.fs_path)
             if path.is_dir():
                 shutil.copytree(path, self.copies / str(i) / path.name, symlinks=True)
@@ -216,12 +217,13 @@ class _LastGood:
                 (self.copies / str(i)).mkdir()
                 shutil.copy2(path, self.copies / str(i) / path.name)
 
+    def _aside(self) -> list:
+        return [out for out in self.stage.outs if not out.use_cache or out.persist]
+
     def put_back(self) -> None:
         if self.stage is None:
             return
-        if any(out.use_cache for out in self.stage.outs):
-            self.repo.checkout(targets=[self.name], force=True)
-        for i, out in enumerate(o for o in self.stage.outs if not o.use_cache):
+        for i, out in enumerate(self._aside()):
             path, kept = Path(out.fs_path), self.copies / str(i) / Path(out.fs_path).name
             if path.is_dir():
                 shutil.rmtree(path)
@@ -232,6 +234,8 @@ class _LastGood:
             elif kept.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(kept, path)
+        if any(out.use_cache and not out.persist for out in self.stage.outs):
+            self.repo.checkout(targets=[self.name], force=True)  # persisted ones are back from their copies already
         print(f"dvc_repro: stage {self.name} did not finish: its outputs of the last good run (dvc.lock) are back",
               file=sys.stderr, flush=True)
 

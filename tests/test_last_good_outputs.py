@@ -2,8 +2,8 @@
 
 DVC deletes a stage's outputs before it runs the stage. Through flows/dvc_repro.py (what every Prefect run of a
 stage goes through) a stage that does not succeed gets its last good outputs back: the cached ones from DVC's
-cache (`dvc checkout`), the `cache: false` ones (metrics) from a copy. Here a real DVC stage in a fresh git + DVC
-repo writes a cached directory and a git-tracked metrics file; it first succeeds, then reruns for a new param and
+cache (`dvc checkout`), the `cache: false` (metrics) and `persist` ones from a copy. Here a real DVC stage in a
+fresh git + DVC repo writes a cached directory, a git-tracked metrics file and a persisted file it appends to; it first succeeds, then reruns for a new param and
 is stopped half-way through writing: by a crash, by Ctrl-C (stop_stages: SIGINT to the stage's process group, what
 the flow does on Ctrl-C and on a Prefect UI cancel) or by SIGTERM to the group.
 """
@@ -29,6 +29,8 @@ from pathlib import Path
 import yaml
 
 params = yaml.safe_load(open("params.yaml"))["base"]
+with open("ledger.txt", "a") as ledger:  # a persisted output (as register.json): DVC leaves it to the stage
+    ledger.write(f"seed {params['seed']} started\\n")
 Path("model").mkdir(exist_ok=True)
 Path("model/weights.txt").write_text(f"half-written by seed {params['seed']}")  # the run's first writes...
 Path("metrics").mkdir(exist_ok=True)
@@ -41,13 +43,15 @@ if params["mode"] == "hang":
 Path("model/weights.txt").write_text(f"good, seed {params['seed']}")  # ...and its last ones
 Path("model/config.txt").write_text("config")
 Path("metrics/make.json").write_text(json.dumps({"seed": params["seed"]}))
+with open("ledger.txt", "a") as ledger:
+    ledger.write(f"seed {params['seed']} done\\n")
 """
 
 
 @pytest.fixture
 def stage_repo(tmp_path):
     stages = {"make": {"cmd": "python make.py", "deps": ["make.py"], "params": ["base.seed", "base.mode"],
-                       "outs": ["model"], "metrics": [{"metrics/make.json": {"cache": False}}]}}
+                       "outs": ["model", {"ledger.txt": {"persist": True}}], "metrics": [{"metrics/make.json": {"cache": False}}]}}
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     (tmp_path / "params.yaml").write_text("base:\n  seed: 0\n  mode: ok\n")
     (tmp_path / "make.py").write_text(STAGE)
@@ -56,7 +60,7 @@ def stage_repo(tmp_path):
 
 
 def _outputs(root: Path) -> dict[str, str]:
-    files = [*sorted((root / "model").rglob("*")), root / "metrics" / "make.json"]
+    files = [*sorted((root / "model").rglob("*")), root / "metrics" / "make.json", root / "ledger.txt"]
     return {str(p.relative_to(root)): p.read_text() for p in files if p.is_file()}
 
 
@@ -91,7 +95,7 @@ def test_a_stage_that_does_not_finish_leaves_its_last_good_outputs(stage_repo, h
     sh("git", "commit", "-qm", "a good run", cwd=root)
     good = _outputs(root)
     assert good == {"model/config.txt": "config", "model/weights.txt": "good, seed 0",
-                    "metrics/make.json": json.dumps({"seed": 0})}
+                    "metrics/make.json": json.dumps({"seed": 0}), "ledger.txt": "seed 0 started\nseed 0 done\n"}
 
     _set(root, 1, "crash" if how == "crash" else "hang")
     stopper = None if how == "crash" else _stop_when_half_way(root, how)
