@@ -223,6 +223,26 @@ def test_max_update_kl_bounds_grpos_kl_when_beta_loads_a_reference(tmp_path, tok
     assert [p.name for p in list_checkpoints(tmp_path / "bounded")] == [f"update-{u:06d}" for u in range(1, crossing)]
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_the_reward_flow_trace_of_a_grpo_update_is_written_with_and_without_a_reference(tmp_path, tokenizer, prompts,
+                                                                                        make_policy, beta):
+    """The train stage's trace (JSON + heatmap) of a GRPO update; at TRL's beta 0 there is no reference, so no KL
+    (the heatmap's title once formatted the missing KL and failed the stage at its first traced update)."""
+    from rlhf_core.trace import trace_update
+    from tasks.common.plots import plot_trace
+
+    traces = []
+    cfg = _tiny(total_episodes=32, beta=beta)
+    trainer = RLTrainer(cfg, make_policy(0), FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
+                        stop_token_id=1, on_update=lambda t, batch, stats: traces.append(
+                            trace_update(batch, stats, cfg, update=t.state.update, decode=tokenizer.decode)))
+    trainer.train()
+    trace = traces[-1]
+    assert ("kl" in trace["quantities"]) == (beta > 0) and (trace["rollouts"][0]["kl_sum"] is None) == (beta == 0)
+    plot_trace(trace, tmp_path / "update.png")
+    assert (tmp_path / "update.png").stat().st_size > 0
+
+
 # ------------------------------------------------------------------------------------------- TRL 1.16.0 equality
 
 N_PROMPTS, K, P, R, TEMPERATURE = 4, 4, 5, 6, 0.9

@@ -95,7 +95,8 @@ def plot_trace(trace: dict, target: Path) -> None:
         labels = [_token_label(tok) for tok in rollout["tokens"]]
         ax.set_xticks(range(len(labels)), labels, rotation=60, fontsize=7)
         extra = "".join(f", {k} {rollout[k]:.3g}" for k in ("baseline", "advantage") if k in rollout)
-        ax.set_title(f"rollout {rollout['index']}: score {rollout['score']:.3g}, KL {rollout['kl_sum']:.3g}, "
-                     f"score - KL penalty {rollout['rlhf_reward']:.3g}{extra}", fontsize=8)
+        kl = "" if rollout["kl_sum"] is None else (  # None: no reference (GRPO at beta 0)
+            f", KL {rollout['kl_sum']:.3g}, score - KL penalty {rollout['rlhf_reward']:.3g}")
+        ax.set_title(f"rollout {rollout['index']}: score {rollout['score']:.3g}{kl}{extra}", fontsize=8)
     fig.suptitle(f"Reward flow, update {trace['update']} ({trace['algo']}, kl_coef {trace['kl_coef']})", fontsize=9)
     _save(fig, target)

@@ -1,4 +1,4 @@
-"""Stage `train`: PPO or RLOO from the SFT policy against the reward model, with checkpoints.
+"""Stage `train`: PPO, RLOO or GRPO from the SFT policy against the reward model, with checkpoints.
 
 A rerun after a crash resumes from the newest checkpoint made from exactly these parameters and input
 models and prompts (a fingerprint is kept beside the checkpoints); any other checkpoints are discarded.
