@@ -307,3 +307,22 @@ def test_a_gpu_machine_logs_system_metrics_through_the_queue_stopped_before_the_
     assert samplers() == [], "stopped with the stage"
     sent = list(seen["run"].tracker.sent)
     assert sent[-1] == "the run's end (FAILED)", sent  # nothing after the end: the last sample came before it
+
+
+def test_a_write_the_store_refuses_fails_the_stage_naming_it(mlflow_root):
+    """A stage whose run gets a write the store refuses for good (here a param changed mid-run) does its work, then
+    fails naming that write; its run ends FAILED, not FINISHED, with what was sent after the refusal."""
+    from tasks.common.mlflow_tracker import TrackingRefused
+    from tasks.common.stage_tracking import current_stage_run
+
+    seen = {}
+
+    def stage() -> dict:
+        run = seen["run"] = current_stage_run()
+        run.tracker.log_params({"base": {"seed": 12345}})  # MLflow refuses to change a logged param
+        return {"win_rate_rm": 0.5}
+
+    with pytest.raises(TrackingRefused, match=r"1 params \(.*Changing param values is not allowed"):
+        track_stage("evaluate", mlflow_root, load_params(mlflow_root), stage)
+    run = get_client(mlflow_root).get_run(seen["run"].run_id)
+    assert run.info.status == "FAILED" and run.data.metrics["win_rate_rm"] == 0.5
