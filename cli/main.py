@@ -262,8 +262,9 @@ def _serve_help() -> str:
     """
 
 
-@app.command(help=_serve_help())
+@app.command()
 def serve() -> None:
+    # its docstring is _serve_help(), set below: the deployments as prefect.yaml lists them
     import os
 
     if not os.environ.get("PREFECT_API_URL"):
@@ -281,6 +282,9 @@ def serve() -> None:
     typer.echo(f"serving {', '.join(deployment_names(Path.cwd()))} against {redact(os.environ['PREFECT_API_URL'])}; "
                "runs execute here, one at a time. Ctrl-C to stop.")
     serve_deployments(Path.cwd())
+
+
+serve.__doc__ = _serve_help()
 
 
 class Kind(str, Enum):
