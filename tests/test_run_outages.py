@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from test_flow import prefect_api  # noqa: F401 (a fixture)
 from test_pipeline import TINY
 from test_server_client import fast_client, served_workspace, tracking_server  # noqa: F401 (fixtures)
 
@@ -185,3 +186,44 @@ def test_a_write_in_flight_at_the_deadline_is_confirmed_not_reported_unsent(trac
     tracker.close()
     assert tracking_server.late[LOG_BATCH] == 0
     assert tracker.sent[-1] == "1 metrics" and len(client.get_metric_history(run_id, "objective/kl")) == 1
+
+
+def test_the_pipeline_flow_fails_naming_what_mlflow_never_took(tracking_server, fast_client, prefect_api,  # noqa: F811
+                                                              tmp_path, monkeypatch):
+    """Through the flow: its stage done, MLflow goes down for good before the pipeline run's end is sent; the run
+    ends Failed (not Completed) with a message naming the server and the writes not sent, as its record says."""
+    import yaml
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from test_flow import git_dvc_repo
+
+    from flows.pipeline import rlhf_pipeline
+
+    stage = "python -c \"import time; open('ok.txt', 'w').write('ok'); time.sleep(3)\""
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"ok": {"cmd": stage, "outs": ["ok.txt"]}}}))
+    (tmp_path / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
+    root = git_dvc_repo(tmp_path)
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server.url)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", f"flow-{time.monotonic_ns()}")
+    monkeypatch.setenv("RLHF_MLFLOW_RETRY_S", "3")
+
+    def stop_once_the_stage_wrote():
+        give_up = time.monotonic() + 300
+        while not (root / "ok.txt").exists() and time.monotonic() < give_up:
+            time.sleep(0.05)
+        tracking_server.stop()
+
+    stopper = threading.Thread(target=stop_once_the_stage_wrote, daemon=True)
+    stopper.start()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
+            state = rlhf_pipeline(return_state=True)
+    finally:
+        stopper.join()
+        tracking_server.start()
+    assert state.is_failed(), state
+    assert f"MLflow at {tracking_server.url} did not take run" in state.message, state.message
+    assert "artifact dvc.lock" in state.message and "the run's end (FINISHED)" in state.message, state.message
+    [record] = [json.loads(p.read_text()) for p in (root / "reports" / "runs").glob("*.json")]
+    assert record["status"] == "FAILED" and "Not sent:" in record["failure"]
+    assert [s["stage"] for s in record["stages"]] == ["ok"]
