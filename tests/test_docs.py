@@ -226,7 +226,7 @@ def test_every_rlhf_subcommand_named_exists(doc):
 def test_a_wrong_command_or_option_is_caught():
     assert subcommand_errors("run `rlhf experiments` or `rlhf models show 3`, `rlhf run --set a.b=1`") == [
         "`rlhf experiments`: no `rlhf experiments`", "`rlhf models show 3`: no `rlhf models show`"]
-    for bad in (["run", "--sett", "train.kl_coef=0.1"], ["bench", "--algo", "grpo"], ["models", "show"],
+    for bad in (["run", "--sett", "train.kl_coef=0.1"], ["bench", "--algo", "dpo"], ["models", "show"],
                 ["inspect-rm"]):
         with pytest.raises((UsageError, AssertionError)):
             parse_cli(bad)
