@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,25 @@ class TrackingServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()  # the port is closed: clients get "connection refused"
+
+    def outage(self, seconds: float) -> tuple[Callable[[], None], threading.Thread]:
+        """(begin, comeback): begin() stops the server and has it start again `seconds` later; join comeback to
+        wait for that. The restart counts from the stop, whenever the stop comes (a fixed timer started before
+        would restart a server still running, on a busy machine, and leave it down)."""
+        stopped = threading.Event()
+
+        def begin() -> None:
+            self.stop()
+            stopped.set()
+
+        def come_back() -> None:
+            if stopped.wait(timeout=600):
+                time.sleep(seconds)
+                self.start()
+
+        comeback = threading.Thread(target=come_back, daemon=True)
+        comeback.start()
+        return begin, comeback
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +229,9 @@ def test_a_stage_ending_while_the_server_is_down_loses_nothing(served_workspace,
     from tasks.common.stage_tracking import track_stage
 
     root = served_workspace
-    back = threading.Timer(3.0, tracking_server.start)  # a restart, not a timing assertion
-    back.start()
-    metrics = track_stage("evaluate", root, load_params(root), _evaluate_stand_in(root, tracking_server.stop))
-    back.join()
+    begin, comeback = tracking_server.outage(3.0)  # a restart 3 s after the stop, not a timing assertion
+    metrics = track_stage("evaluate", root, load_params(root), _evaluate_stand_in(root, begin))
+    comeback.join()
     assert metrics == {"win_rate_rm": 0.75}
     client = get_client(root)
     [run] = _stage_runs(client, "evaluate")
