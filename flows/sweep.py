@@ -39,7 +39,9 @@ from flows.pipeline import rlhf_pipeline
 from flows.pipeline_run import EXPERIMENT_TAG, open_tracker, run_url
 from flows.pipeline_run import _client as pipeline_run_client
 from rlhf_core.jsonio import read_json_object, write_json
+from rlhf_core.threads import PROCESSES_ENV, processes_sharing
 from tasks.common.frontier import frontier, plot_frontier
+from tasks.common.frontier_uncertainty import EVAL_SCORES, PER_PROMPT, fit_text, gain_text, verdict_text
 from tasks.common.mlflow_store import (
     TrackingError,
     experiment_id,
@@ -229,7 +231,28 @@ def _figures_from_mlflow(root: Path, parent: str, experiment: str) -> dict | Non
                                max_results=1)
     if not found:
         return None
-    return {k.removeprefix("eval/"): v for k, v in found[0].data.metrics.items() if k.startswith("eval/")}
+    figures = {k.removeprefix("eval/"): v for k, v in found[0].data.metrics.items() if k.startswith("eval/")}
+    scores = _scores_from_mlflow(client, found[0].info.experiment_id, found[0].info.run_id)
+    return {**figures, PER_PROMPT: scores} if scores else figures
+
+
+def _scores_from_mlflow(client, experiment: str, pipeline_run: str) -> dict | None:
+    """The point's per-prompt scores (reports/eval/scores.json), an artifact of its evaluate stage run; None
+    where that stage did not run in this point (DVC restored it: no stage run) or predates the file."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    found = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{pipeline_run}' and "
+                               "tags.`rlhf.stage` = 'evaluate' and attributes.status = 'FINISHED'",
+                               order_by=["attributes.start_time DESC"], max_results=1)
+    if not found:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return read_json_object(client.download_artifacts(found[0].info.run_id, EVAL_SCORES, tmp))
+        except (MlflowException, OSError):
+            return None
 
 
 # --------------------------------------------------------------------------------------------- points
@@ -241,17 +264,23 @@ def _point_parameters(profile: str, overrides: list[str], point: Point, parent: 
 
 
 def _run_here(root: Path, parameters: dict, parent: str) -> tuple[State, dict | None]:
-    """One point as a subflow in this workspace; its figures from metrics/eval.json as the run left them."""
+    """One point as a subflow in this workspace; its figures from metrics/eval.json as the run left them, with
+    its per-prompt scores (reports/eval/scores.json) where the evaluation kept them."""
     state = rlhf_pipeline(**parameters, return_state=True)
     figures = read_json_object(root / "metrics" / "eval.json") if state.is_completed() else None
-    return state, figures
+    scores = read_json_object(root / EVAL_SCORES) if figures is not None else None
+    return state, {**figures, PER_PROMPT: scores} if scores else figures
 
 
-def _run_on_pool(root: Path, deployment: str, parameters: dict, parent: str) -> tuple[State, dict | None]:
-    """One point as a run of `deployment` (its pool's worker runs it); its figures from its MLflow run."""
+def _run_on_pool(root: Path, deployment: str, parameters: dict, parent: str,
+                 concurrency: int) -> tuple[State, dict | None]:
+    """One point as a run of `deployment` (its pool's worker runs it); its figures from its MLflow run. The
+    points at once share a machine's cores unless the pool spreads them (then set RLHF_THREADS in its env)."""
     from prefect.deployments import run_deployment
 
-    run = run_deployment(deployment, parameters=parameters, timeout=None, as_subflow=True)
+    sharing = {PROCESSES_ENV: str(processes_sharing() * concurrency)}
+    run = run_deployment(deployment, parameters=parameters, timeout=None, as_subflow=True,
+                         job_variables={"env": sharing})
     state = run.state
     figures = _figures_from_mlflow(root, parent, parameters["experiment"]) if state.is_completed() else None
     return state, figures
@@ -259,8 +288,10 @@ def _run_on_pool(root: Path, deployment: str, parameters: dict, parent: str) -> 
 
 def _record_point(root: Path, saved: dict, point: Point, state: State, figures: dict | None) -> None:
     entry = {"grid": list(point.grid), "experiment": point.experiment, "algo": point.algo, "seed": point.seed}
-    if state.is_completed() and figures is not None:
-        saved["points"][point.label] = {**entry, "status": "FINISHED", "figures": figures}
+    if state.is_completed() and figures is not None:  # the per-prompt scores beside the figures (the bootstrap's)
+        saved["points"][point.label] = {**entry, "status": "FINISHED",
+                                        "figures": {k: v for k, v in figures.items() if k != PER_PROMPT},
+                                        **({PER_PROMPT: figures[PER_PROMPT]} if figures.get(PER_PROMPT) else {})}
     else:
         why = state.message or state.name if not state.is_completed() else "finished without metrics/eval.json"
         saved["points"][point.label] = {**entry, "status": state.type.value, "failure": why}
@@ -314,22 +345,26 @@ def write_frontier(root: Path, saved: dict) -> dict | None:
 
 
 def frontier_markdown(report: dict) -> str:
-    """The candidates as a table, the fit per algorithm, the gate's pick: the sweep's Prefect artifact."""
-    metric = report["metric"]
+    """The candidates as a table with their gains' intervals, the fit per algorithm with its intervals, the
+    verdict on over-optimization (or what to run to decide it), the gate's pick: the sweep's Prefect artifact and
+    what `rlhf sweep` prints."""
+    metric, level = report["metric"], report.get("level", 0.95)
     lines = [f"# Sweep {report['sweep']}: reward–KL frontier", "",
-             f"| setting | algo | seeds | {metric} | win_rate_rm | mean_kl | gate |", "|---|---|---|---|---|---|---|"]
+             f"| setting | algo | seeds | {metric} | win_rate_rm | mean_kl | gold gain [{level:.0%}] | "
+             f"reward-model gain [{level:.0%}] | gate |", "|---|---|---|---|---|---|---|---|---|"]
     for c in report["candidates"]:
         f = c["figures"]
         mark = "**pick**" if c["setting"] == report["gate_pick"] else ""
         lines.append(f"| {c['setting']} | {c['algo']} | {c['n']} | {f.get(metric, float('nan')):.3f} | "
-                     f"{f.get('win_rate_rm', float('nan')):.3f} | {f.get('mean_kl', float('nan')):.2f} | {mark} |")
-    for algo, fit in report["gao_fit"].items():
-        turn = ("; gold falls beyond it: over-optimization" if fit["turns_within_sweep"]
-                else "; beyond the farthest point: no turn seen yet")
-        peak = (f"gold peaks at KL {fit['peak_kl']:.2f}{turn}"
-                if fit["peak_kl"] is not None else "no peak (beta <= 0)")
-        r2 = "n/a (equal gains)" if fit["r2"] is None else f"{fit['r2']:.2f}"
-        lines.append(f"\n{algo}: R(d) = d ({fit['alpha']:.3f} - {fit['beta']:.3f} ln d), R² {r2}; {peak}")
+                     f"{f.get('win_rate_rm', float('nan')):.3f} | {f.get('mean_kl', float('nan')):.2f} | "
+                     f"{gain_text(c.get('gold_gain'), c.get('gold_gain_ci'))} | "
+                     f"{gain_text(c.get('rm_gain'), c.get('rm_gain_ci'))} | {mark} |")
+    for algo in sorted({*report["gao_fit"], *report.get("verdict", {})}):
+        lines.append("")
+        if algo in report["gao_fit"]:
+            lines.append(fit_text(algo, report["gao_fit"][algo]))
+        if algo in report.get("verdict", {}):
+            lines.extend(["", *verdict_text(algo, report["verdict"][algo])])
     lines.append(f"\nThe gate (highest {metric} within register.max_kl={report['max_kl']:g}) picks: "
                  f"{report['gate_pick'] or 'none within the KL budget'}")
     return "\n".join(lines)
@@ -391,7 +426,7 @@ def rlhf_sweep(grid: list[str], profile: str = "demo", overrides: list[str] = []
     def run_one(point: Point) -> tuple[State, dict | None]:
         parameters = _point_parameters(profile, list(overrides), point, parent, wait_for_lock_s)
         if point_deployment:
-            return _run_on_pool(root, point_deployment, parameters, parent)
+            return _run_on_pool(root, point_deployment, parameters, parent, concurrency)
         return _run_here(root, parameters, parent)
 
     with interrupt.stop_on_signals():
