@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -16,6 +15,7 @@ from cli.exps import exps
 from cli.from_trl import from_trl
 from cli.models import app as models_app
 from cli.params import app as params_app
+from cli.preflight import check_servers_or_exit, ready_the_run, say_local_edits
 from cli.sweep import sweep
 
 app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
@@ -147,8 +147,8 @@ def run(profile: Profile = None, overrides: Overrides = None,
     except ParamsError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
-    _check_servers()  # a PREFECT_API_URL or MLFLOW_TRACKING_URI that does not answer fails now, before any stage
-    _say_local_edits(root)
+    check_servers_or_exit()  # a PREFECT_API_URL or MLFLOW_TRACKING_URI that does not answer fails now, before any stage
+    say_local_edits(root)
     use_local_prefect(root)
     quiet_libraries()
     from flows import interrupt
@@ -157,7 +157,7 @@ def run(profile: Profile = None, overrides: Overrides = None,
     from tasks.common.progress import print_run_summary
 
     started = time.time()
-    with temporary_server_if_needed(meanwhile=functools.partial(_ready_the_run, root)):
+    with temporary_server_if_needed(meanwhile=functools.partial(ready_the_run, root)):
         from flows.pipeline import rlhf_pipeline
 
         try:
@@ -206,38 +206,6 @@ def _report_without_prefect(root: Path, err: Exception, started: float) -> NoRet
     raise typer.Exit(0)
 
 
-def _ready_the_run(root: Path) -> None:
-    """What `rlhf run` does first anyway, done while the temporary Prefect server starts in its own process
-    (~15 s): import the flow (~2.5 s) and open the MLflow store (~3.5 s of imports; in a fresh clone its
-    migrations too). A store that cannot be opened is the flow's to report, as it does without this."""
-    import flows.pipeline  # noqa: F401
-    from tasks.common.mlflow_store import TrackingError, get_client, tracking_enabled
-
-    if tracking_enabled():
-        with contextlib.suppress(TrackingError):
-            get_client(root)  # cached: the flow's pipeline run reuses this client
-
-
-def _check_servers(prefect_only: bool = False) -> None:
-    from flows.servers import ServerUnreachable, check_prefect, check_servers
-
-    try:
-        check_prefect() if prefect_only else check_servers()
-    except ServerUnreachable as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
-
-
-def _say_local_edits(root) -> None:
-    """Up front: a params.yaml edited since the last commit is what this run uses (not the committed one)."""
-    from flows.overrides import describe, local_edits
-
-    edits = local_edits(root)
-    if edits:
-        typer.echo(f"note: params.yaml differs from the committed one and this run uses it: {describe(edits)} "
-                   "(`rlhf params diff`, `rlhf params reset`)", err=True)
-
-
 def _registry_line(root) -> str | None:
     """The registered version of this run's policy, as the registry has it now (not as a file once said)."""
     from rlhf_core.jsonio import read_json_object
@@ -271,7 +239,7 @@ def serve() -> None:
         typer.echo("error: PREFECT_API_URL is not set. Start a server with `prefect server start` and "
                    "`export PREFECT_API_URL=http://127.0.0.1:4200/api`, then run `rlhf serve` again.", err=True)
         raise typer.Exit(2)
-    _check_servers(prefect_only=True)
+    check_servers_or_exit(prefect_only=True)
     from flows.deployments import deployment_names, serve_deployments
     from flows.prefect_env import use_local_prefect
     from flows.servers import redact

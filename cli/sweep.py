@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from cli.preflight import check_servers_or_exit, ready_the_run, say_local_edits
+
 Grid = Annotated[list[str], typer.Option("--grid", help="A param and its values: section.key=v1,v2,... "
                                                           "(repeat for a grid over several).")]
 
@@ -29,7 +31,6 @@ def sweep(grid: Grid,
     the same command after an interruption: finished points are kept and the sweep resumes at the first
     unfinished one.
     """
-    from cli.main import _check_servers, _ready_the_run, _say_local_edits
     from flows.prefect_env import temporary_server_if_needed, use_local_prefect
     from flows.sweep import GridError, plan
     from tasks.common.params import ParamsError, load_params
@@ -47,13 +48,13 @@ def sweep(grid: Grid,
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     typer.echo(f"sweep: {len(points)} points ({', '.join(p.label for p in points)})", err=True)
-    _check_servers()
-    _say_local_edits(root)
+    check_servers_or_exit()
+    say_local_edits(root)
     use_local_prefect(root)
     quiet_libraries()
     from flows import interrupt
 
-    with temporary_server_if_needed(meanwhile=functools.partial(_ready_the_run, root)):
+    with temporary_server_if_needed(meanwhile=functools.partial(ready_the_run, root)):
         from flows.sweep import rlhf_sweep
 
         state = rlhf_sweep(grid=grid, profile=profile, overrides=overrides or [], concurrency=concurrency,

@@ -28,7 +28,8 @@ from test_dvc import sh
 from test_pipeline import TINY
 from typer.testing import CliRunner
 
-from cli.main import _say_local_edits, app
+from cli.main import app
+from cli.preflight import say_local_edits
 from flows.dvc_repro import clean_lines, log_tail, repro_stage, stage_env
 from flows.lock import LockWaitStopped, WorkspaceBusy, workspace_lock
 from flows.overrides import (
@@ -790,7 +791,7 @@ def test_params_diff_and_reset(failing_repo, monkeypatch, capsys):
     committed = path.read_text()
     path.write_text(committed.replace("seed: 0", "seed: 5"))
     assert "base.seed: 0 -> 5" in runner.invoke(app, ["params", "diff"]).output
-    _say_local_edits(failing_repo)  # what `rlhf run` says before Prefect starts
+    say_local_edits(failing_repo)  # what `rlhf run` says before Prefect starts
     assert "note: params.yaml differs from the committed one and this run uses it: base.seed 0 -> 5" in \
         capsys.readouterr().err
     reset = runner.invoke(app, ["params", "reset"])
