@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from rlhf_core.jsonio import read_json_object, write_json
+from tasks.common.launcher import stop_group
 from tasks.common.stage_outcome import OUTCOME_ENV, retry_reason
 from tasks.common.transient import transient_cause
 
@@ -117,20 +118,8 @@ def stop_stages(grace_s: float = STOP_GRACE_S) -> None:
     KILLED and DVC cleans up), then SIGTERM and SIGKILL to the process group after `grace_s` each."""
     for proc in list(RUNNING):
         STOPPED.add(proc)
-        threading.Thread(target=_stop_group, args=(proc, grace_s), daemon=True).start()
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        steps = [(sig, grace_s) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)]
+        threading.Thread(target=stop_group, args=(proc, steps), daemon=True).start()
 
 
 def clean_lines(raw: str) -> list[str]:

@@ -37,6 +37,7 @@ from tasks.common.params import (
     Params,
     ParamsError,
     deep_merge,
+    dotted,
     flatten,
     load_params,
     parse_override,
@@ -45,14 +46,6 @@ from tasks.common.params import (
 RUNS_DIR = "reports/runs"
 RESTORE_NOTE = RUN_PARAMS_NOTE  # {"original": text, "written": text} while a run has them
 SOURCE_ONLY = ("prepare.sft", "prepare.preferences", "prepare.prompts", "prepare.eval_fraction")  # not the world's
-
-
-def _get(data: dict, key: str) -> Any:
-    for part in key.split("."):
-        if not isinstance(data, dict) or part not in data:
-            return None
-        data = data[part]
-    return data
 
 
 def _round_trip_yaml():
@@ -136,7 +129,7 @@ def planned_changes(root: str | Path, profile: str, overrides: list[str]) -> lis
     if outranked := sorted(key for key in flatten(wanted) if key in profile_values):
         settings["base.run_overrides"] = outranked
     current = yaml.safe_load((Path(root) / PARAMS_FILE).read_text()) or {}
-    return [(key, _get(current, key), value) for key, value in settings.items() if _get(current, key) != value]
+    return [(key, dotted(current, key), value) for key, value in settings.items() if dotted(current, key) != value]
 
 
 @contextmanager

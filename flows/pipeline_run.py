@@ -22,7 +22,6 @@ from tasks.common.mlflow_store import (
     TrackingError,
     end_runs_of_dead_processes,
     experiment_id,
-    experiment_url,
     get_client,
     is_remote,
     owner_tags,
@@ -143,12 +142,6 @@ def run_url(run_id: str, root: str | Path = ".") -> str | None:
     """A link to the run in the MLflow UI (mlflow_store.run_page_url), or None without tracking."""
     exp = _experiment_of(run_id, root)
     return None if exp is None else run_page_url(exp, run_id, root)
-
-
-def experiment_url_of(run_id: str, root: str | Path = ".") -> str | None:
-    """A link to the runs table of the run's experiment (mlflow_store.experiment_url), or None."""
-    exp = _experiment_of(run_id, root)
-    return None if exp is None else experiment_url(exp, root)
 
 
 def _experiment_of(run_id: str, root: str | Path) -> str | None:

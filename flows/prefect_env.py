@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tasks.common.launcher import raise_interrupt
+
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
 
@@ -46,7 +48,7 @@ def temporary_server_if_needed(meanwhile: Callable[[], object] = lambda: None) -
 
     # outside the flow's own handlers, a SIGTERM must still unwind to the `finally` that stops the server
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
+    previous = signal.signal(signal.SIGTERM, raise_interrupt) if main else None
     url, server = None, None
     try:
         url, server = _start_server(meanwhile)
@@ -68,10 +70,6 @@ def _drain_prefect_workers(timeout_s: float = 5.0) -> None:
 
     for worker in (APILogWorker, EventsWorker):
         worker.drain_all(timeout=timeout_s)
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _stop(server: subprocess.Popen) -> None:

@@ -19,6 +19,7 @@ from rlhf_core.world.gold import gold_reward
 from rlhf_core.world.tokenizer import train_tokenizer
 from tasks.stages.prepare import normalize
 from tests.test_pipeline import TINY, invoke, run_all_stages
+from tests.test_validate import write_jsonl
 
 # The word tokenizer's words (one token each) joined by spaces; the generation prompt is the space before the answer.
 WORD_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' and persona is defined %}{{ persona }} "
@@ -151,10 +152,6 @@ def validate(path: Path, kind: str):
     return CliRunner().invoke(app, ["validate", str(path), "--kind", kind, "--tokenizer", "tok",
                                     "--max-prompt-tokens", "4", "--max-completion-tokens", "3", "--json"])
 
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.mark.parametrize("kind", CONVERSATIONAL)

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,17 +40,12 @@ from flows.overrides import (
     restore_after_killed_run,
 )
 from tasks.common.dvc_yaml import stage_names
+from tasks.common.launcher import free_port
 from tasks.common.params import ParamsError, deep_merge, load_params, parse_override
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STARTUP_S = 180  # a bound on waiting for a server to answer, not a timing assertion
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def git_dvc_repo(path: Path) -> Path:

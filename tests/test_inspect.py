@@ -19,6 +19,7 @@ from tasks.common.params import Params
 from tasks.common.paths import Paths
 from tasks.stages.inspect import InspectionFailed
 from tasks.stages.inspect import run as run_stage
+from tests.test_validate import write_jsonl
 
 FAST = InspectionConfig(num_probes=4)
 
@@ -133,11 +134,6 @@ def save(model, tokenizer, directory):
     tokenizer.save_pretrained(directory)
     return directory
 
-
-def write_jsonl(path, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_cli_reports_and_exit_status(tmp_path, make_scorer_model, tokenizer):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -30,17 +29,12 @@ from pathlib import Path
 import pytest
 
 from flows.servers import ServerUnreachable, check_mlflow, check_prefect, check_servers, redact
+from tasks.common.launcher import free_port
 from tasks.common.mlflow_tracker import MlflowTracker
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 LATE_REPLY_S, CLIENT_TIMEOUT_S = 4, "2"  # a reply the server sends after the client stopped waiting
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TrackingServer:

@@ -37,6 +37,7 @@ def workspace(tmp_path, monkeypatch, tokenizer):
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_core.config import RuntimeConfig
@@ -56,12 +57,12 @@ def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) ->
     if runtime.accelerate_config is not None:
         launch += ["--config_file", runtime.accelerate_config]
     if runtime.num_machines == 1:  # the configs' fixed 29500 would meet another launch on this machine
-        launch += ["--main_process_port", str(_free_port())]
+        launch += ["--main_process_port", str(free_port())]
     launch += ["--mixed_precision", runtime.mixed_precision]  # params are the truth, over the config file
     return [*launch, "--no_python", *command]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port free on this machine now, for a one-machine launch's rendezvous (as torchrun --standalone picks)."""
     import socket
 
@@ -79,29 +80,31 @@ def run_launched(command: list[str], runtime: RuntimeConfig) -> int:
     env = {**env_for_children(runtime.num_processes), LAUNCHED_ENV: "1"}
     if device_of(runtime) == "cpu":
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on the CPU (a test, a laptop) must not probe for CUDA
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupt)
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return proc.wait()
     except BaseException:
-        _stop_group(proc)
+        stop_group(proc, [(signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5)])
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def raise_interrupt(signum, frame) -> None:
+    """A SIGTERM handler that unwinds as a Ctrl-C does, so `finally` blocks and `except BaseException` run."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5)):
+def stop_group(proc: subprocess.Popen, steps: Sequence[tuple[signal.Signals, float]]) -> None:
+    """Signal `proc`'s whole process group with each (signal, seconds to wait) of `steps` in turn, until it exits."""
+    for sig, wait_s in steps:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return
         try:
-            proc.wait(timeout=wait)
+            proc.wait(timeout=wait_s)
             return
         except subprocess.TimeoutExpired:
             continue

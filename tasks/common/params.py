@@ -352,9 +352,7 @@ def parse_override(item: str) -> dict:
     value: Any = yaml.safe_load(raw) if raw.strip() else ""
     if isinstance(value, str) and _YAML12_FLOAT.fullmatch(raw.strip()):
         value = float(raw)  # 1e-4 a number, as DVC (YAML 1.2) reads it back from params.yaml
-    for part in reversed(key.split(".")):
-        value = {part: value}
-    return value
+    return nested(key, value)
 
 
 def _read_yaml(path: Path) -> dict:
@@ -367,13 +365,15 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _dotted(data: dict, key: str):
+def dotted(data: dict, key: str) -> Any:
+    """data['a']['b'] for key 'a.b'; None where a part is missing."""
     for part in key.split("."):
         data = data.get(part) if isinstance(data, dict) else None
     return data
 
 
-def _nested(key: str, value) -> dict:
+def nested(key: str, value: Any) -> dict:
+    """'a.b', v -> {'a': {'b': v}}."""
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
@@ -405,7 +405,7 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
                               f"so trust in one would widen every run); set it in {path}'s trust section")
         raw = deep_merge(raw, profile_data)
         for key in raw.get("base", {}).get("run_overrides") or []:  # a run's overrides outrank its profile
-            raw = deep_merge(raw, _nested(key, _dotted(params_yaml, key)))
+            raw = deep_merge(raw, nested(key, dotted(params_yaml, key)))
     raw = deep_merge(raw, override)
     raw.setdefault("base", {})["profile"] = profile
     for section in ("sft", "reward_model", "train"):
