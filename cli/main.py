@@ -18,7 +18,7 @@ from cli.params import app as params_app
 from cli.preflight import check_servers_or_exit, ready_the_run, say_local_edits
 from cli.sweep import sweep
 
-app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs.",
+app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO, GRPO) for causal LMs.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown")  # paragraphs of a docstring reflow to the terminal
 
@@ -34,7 +34,7 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _root(_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                                  help="Print the version and exit.")] = False) -> None:
-    """An orchestrated, reproducible RLHF pipeline (PPO, RLOO) for causal LMs."""
+    """An orchestrated, reproducible RLHF pipeline (PPO, RLOO, GRPO) for causal LMs."""
 
 
 class Algo(str, Enum):
@@ -339,7 +339,7 @@ def inspect_rm(model: Annotated[str, typer.Argument(help="A reward model: a save
 app.add_typer(models_app, name="models")  # rlhf models list | compare | promote (the MLflow registry)
 app.add_typer(params_app, name="params")  # rlhf params diff | reset (params.yaml against the committed one)
 app.command("exps")(exps)  # rlhf exps: the DVC experiments (every override run is one), readable
-app.command("from-trl")(from_trl)  # rlhf from-trl CONFIG.yaml: a TRL PPO / RLOO recipe as a profile
+app.command("from-trl")(from_trl)  # rlhf from-trl CONFIG.yaml: a TRL PPO / RLOO / GRPO recipe as a profile
 app.command()(sweep)  # rlhf sweep --grid train.kl_coef=...: the pipeline over a grid and its reward–KL frontier
 
 
