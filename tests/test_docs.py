@@ -33,7 +33,7 @@ README = REPO / "README.md"
 GUIDES = sorted((REPO / "docs").glob("*.md"))
 DOCS = [README, *GUIDES, REPO / "infra" / "README.md"]
 # repository paths the docs name that a run or a setup step creates (git-ignored), not the checkout
-GENERATED = {"bench/.gpu-wheels", "bench/.trl-venv", "infra/.state/", "infra/.env", "reports/ui/", ".dvc/tmp/",
+GENERATED = {"bench/.gpu-wheels", "bench/.trl-venv", "bench/.trl116", ".venv-trl116", "infra/.state/", "infra/.env", "reports/ui/", ".dvc/tmp/",
              ".dvc/tmp/rlhf-pipeline.lock", ".dvc/cache"}
 SOURCE_DIRS = ("rlhf_core/", "tasks/", "flows/", "cli/", "tests/", "bench/", "infra/", "profiles/", "docs/", ".dvc/",
                ".ci/")

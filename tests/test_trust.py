@@ -78,6 +78,14 @@ def test_paths_in_overrides_stay_under_the_workspace_or_trusted_roots(trusting):
         assert message in str(err.value), err.value
 
 
+def test_a_file_named_tilde_in_the_workspace_is_not_the_home_folder(trusting):
+    """`./~` names the workspace's file `~` (Path would normalize it to `~`, the home folder); `~` alone is home."""
+    workspace, _ = trusting
+    load_params(workspace, None, ["prepare.sft=./~", "prepare.prompts=./~/p.jsonl"])
+    with pytest.raises(ParamsError, match="prepare.sft: ~ is outside"):
+        load_params(workspace, None, ['prepare.sft="~"'])  # quoted: a bare ~ is YAML's null
+
+
 def test_a_profile_is_named_not_pathed(trusting):
     workspace, _ = trusting
     for profile in ("../../etc/evil", "/tmp/x", ".hidden"):

@@ -452,7 +452,10 @@ def _resolved_path(workspace: Path, value: str) -> Path:
     the workspace, every symlink on the way followed (`data/etc/passwd` with `data/etc -> /etc` is /etc/passwd)."""
     if value[:5].lower() == "file:":
         value = urlsplit(value).path
-    return (workspace / Path(value).expanduser()).resolve()
+    path = Path(value)
+    if value.startswith("~"):  # not Path's test: Path("./~") is Path("~"), yet "./~" names a file in the workspace
+        path = path.expanduser()
+    return (workspace / path).resolve()
 
 
 def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
