@@ -1,5 +1,5 @@
-"""Ours against TRL on exactly the same work, side by side: PPO and RLOO episodes/s and peak memory; PPO against
-TRL 1.9.0 (the last TRL with PPO), RLOO against 1.9.0 and 1.16.0; ours with `train.decode_graphs` off and, on CUDA,
+"""Ours against TRL on exactly the same work, side by side: PPO, RLOO and GRPO episodes/s and peak memory; PPO against
+TRL 1.9.0 (the last TRL with PPO), RLOO against 1.9.0 and 1.16.0, GRPO against 1.16.0 (`--algos grpo`); ours with `train.decode_graphs` off and, on CUDA,
 auto (CUDA graphs in the rollout).
 
     python bench/vs_trl.py --device cpu                       # bench-tiny, fp32, on this machine
@@ -43,7 +43,12 @@ ROOT = HERE.parent
 TRL_VERSION = "1.9.0"
 TRL116_VERSION = "1.16.0"
 PEERS = {"trl": TRL_VERSION, "trl116": TRL116_VERSION}
-"""Side name -> TRL version; 1.16.0 has no PPO (it left for trl.experimental, then TRL)."""
+"""Side name -> TRL version; 1.16.0 has no PPO (it left for trl.experimental, then TRL), 1.9.0 no GRPO we compare."""
+
+
+def peers_of(algo: str, rloo_peers: list[str]) -> list[str]:
+    """The TRL sides that run `algo`: PPO on 1.9.0, GRPO on 1.16.0, RLOO on those chosen with --rloo-peers."""
+    return {"ppo": ["trl"], "grpo": ["trl116"]}.get(algo, rloo_peers)
 
 # GPT-NeoX shapes: bench-tiny is `rlhf bench`'s world; pythia-1b is EleutherAI/pythia-1b's architecture.
 SHAPES = {
@@ -60,7 +65,8 @@ SHAPES = {
 def workload_spec(shapes: str, updates: int, gradient_checkpointing: bool) -> dict:
     return {"shapes": shapes, **SHAPES[shapes], "prompts": 512, "seed": 0, "updates": updates, "warmup_updates": 1,
             "episodes_per_update": 64, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 4,
-            "local_rollout_forward_batch_size": 64, "ppo_epochs": 4, "rloo_k": 2, "temperature": 0.7,
+            "local_rollout_forward_batch_size": 64, "ppo_epochs": 4, "rloo_k": 2, "grpo_generations": 8,
+            "temperature": 0.7,
             "kl_coef": 0.05, "learning_rate": 1e-5, "missing_eos_penalty": 1.0, "pad_token_id": 0,
             "eos_token_id": 1, "gradient_checkpointing": gradient_checkpointing}
 
@@ -236,7 +242,8 @@ def main() -> None:
                         help="default: bench-tiny on cpu, pythia-1b on cuda")
     parser.add_argument("--precision", choices=["no", "bf16", "fp16"], default=None,
                         help="accelerate launch --mixed_precision for both sides (default: no on cpu, bf16 on cuda)")
-    parser.add_argument("--algos", nargs="+", choices=["ppo", "rloo"], default=["ppo", "rloo"])
+    parser.add_argument("--algos", nargs="+", choices=["ppo", "rloo", "grpo"], default=["ppo", "rloo"],
+                        help="grpo: against TRL 1.16.0's GRPOTrainer at GRPOConfig's defaults (beta 0, dapo)")
     parser.add_argument("--pairs", type=int, default=3, help="alternating ours/TRL pairs per algorithm")
     parser.add_argument("--updates", type=int, default=6, help="updates per run; the first is warm-up")
     parser.add_argument("--gradient-checkpointing", action="store_true")
@@ -263,7 +270,7 @@ def main() -> None:
     graph_modes = args.decode_graphs or (["off", "auto"] if args.device == "cuda" else ["off"])
     peer = args.trl_python or trl_python(HERE / ".trl-venv")
     trl116 = None
-    if "rloo" in args.algos and "trl116" in args.rloo_peers:
+    if "grpo" in args.algos or ("rloo" in args.algos and "trl116" in args.rloo_peers):
         trl116 = args.trl116_pythonpath or trl116_site(HERE / ".trl116")
     runs, failed = [], []
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
@@ -274,7 +281,7 @@ def main() -> None:
             # ours: every algorithm and decode_graphs mode in one process; TRL: one process per version and algorithm
             jobs = [("ours", ",".join(args.algos))] + [
                 (peer, algo) for algo in args.algos
-                for peer in (["trl"] if algo == "ppo" else [p for p in args.rloo_peers if p in sides])]
+                for peer in peers_of(algo, args.rloo_peers) if peer in sides]
             for side, algo in jobs if pair % 2 == 0 else jobs[::-1]:  # alternating which side goes first
                 python, script, pythonpath = sides[side]
                 extra = [",".join(graph_modes)] if side == "ours" else []

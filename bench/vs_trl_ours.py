@@ -27,8 +27,10 @@ from rlhf_core.scoring import RewardModelScorer
 
 
 def rl_config(spec: dict, algo: str, decode_graphs: str = "off") -> RLConfig:
+    # GRPO at TRL 1.16 GRPOConfig's defaults: beta 0 (no reference), dapo, num_generations completions per prompt
+    kl_coef = 0.0 if algo == "grpo" else spec["kl_coef"]
     return RLConfig(
-        decode_graphs=decode_graphs,
+        decode_graphs=decode_graphs, grpo={"num_generations": spec["grpo_generations"]},
         algo=algo, seed=spec["seed"], learning_rate=spec["learning_rate"],
         total_episodes=spec["episodes_per_update"] * spec["updates"],
         per_device_train_batch_size=spec["per_device_train_batch_size"],
@@ -36,7 +38,7 @@ def rl_config(spec: dict, algo: str, decode_graphs: str = "off") -> RLConfig:
         num_epochs=spec["ppo_epochs"] if algo == "ppo" else 1,
         local_rollout_forward_batch_size=spec["local_rollout_forward_batch_size"],
         response_length=spec["response_length"], temperature=spec["temperature"], stop_token="eos",
-        missing_eos_penalty=spec["missing_eos_penalty"], kl_coef=spec["kl_coef"], rloo={"rloo_k": spec["rloo_k"]},
+        missing_eos_penalty=spec["missing_eos_penalty"], kl_coef=kl_coef, rloo={"rloo_k": spec["rloo_k"]},
     )
 
 
@@ -48,7 +50,8 @@ def main(workload: Path, algos: list[str], graph_modes: list[str]) -> None:
                       gradient_accumulation_steps=spec["gradient_accumulation_steps"])
     policy = runtime.trainable(load_policy(workload / "policy"))
     value = runtime.trainable(load_scorer_model(workload / "scorer")) if "ppo" in algos else None
-    reference = runtime.load_frozen(load_policy, workload / "policy")
+    needs_reference = any(rl_config(spec, algo).uses_reference for algo in algos)
+    reference = runtime.load_frozen(load_policy, workload / "policy") if needs_reference else None
     reward = runtime.load_frozen(load_scorer_model, workload / "scorer")
     prompts = json.loads((workload / "prompts.json").read_text())
     loaded = {m: {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
@@ -86,7 +89,7 @@ def run(spec: dict, cfg: RLConfig, runtime: Runtime, policy, value, reference, r
               "num_processes": runtime.accelerator.num_processes, "zero_stage": runtime.zero_stage,
               "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
               "phases_s": median_phases(steady),
-              "clipfrac": max(h["policy/clipfrac_avg"] for h in history)}
+              "clipfrac": max(h.get("policy/clipfrac_avg", 0.0) for h in history)}
     if device == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
     # model FLOPs utilisation against this machine's measured matmul peak in the training precision

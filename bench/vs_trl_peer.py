@@ -1,5 +1,5 @@
-"""TRL's side of `bench/vs_trl.py`: TRL 1.9.0's PPO (`trl.experimental.ppo`) or the RLOO trainer of TRL 1.9.0 or 1.16.0
-(the same `RLOOConfig` fields and `RLOOTrainer` arguments in both) on a prepared workload.
+"""TRL's side of `bench/vs_trl.py`: TRL 1.9.0's PPO (`trl.experimental.ppo`), the RLOO trainer of TRL 1.9.0 or 1.16.0
+(the same `RLOOConfig` fields and `RLOOTrainer` arguments in both) or TRL 1.16.0's GRPO on a prepared workload.
 
 Runs in TRL's own environment (only torch, transformers, accelerate, datasets and trl are imported), launched
 as a TRL user would: `accelerate launch --mixed_precision bf16 bench/vs_trl_peer.py WORKLOAD ALGO` (TRL 1.9.0's
@@ -91,13 +91,39 @@ def rloo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, outp
     )
 
 
+def grpo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, output_dir: str):
+    """TRL 1.16.0's GRPOTrainer at its GRPOConfig defaults (beta 0: no reference model; loss dapo; one generation
+    per optimizer step of per_device x accumulation completions, num_generations per prompt)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=output_dir, seed=spec["seed"], learning_rate=spec["learning_rate"],
+        per_device_train_batch_size=spec["per_device_train_batch_size"],
+        gradient_accumulation_steps=spec["gradient_accumulation_steps"], num_generations=spec["grpo_generations"],
+        num_iterations=1, max_completion_length=spec["response_length"], temperature=spec["temperature"],
+        top_k=0, top_p=1.0, max_steps=spec["updates"], logging_steps=1,
+        gradient_checkpointing=spec["gradient_checkpointing"], save_strategy="no", report_to="none",
+        disable_tqdm=True, **precision_args(),
+    )
+    prompts = json.loads((workload / "prompts.json").read_text())
+    dataset = Dataset.from_dict({"prompt": tokenizer.batch_decode(prompts)})  # word-level: decodes exactly
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(workload / "policy"),
+        reward_funcs=AutoModelForSequenceClassification.from_pretrained(workload / "scorer"),
+        args=args, train_dataset=dataset, processing_class=tokenizer, reward_processing_classes=tokenizer,
+        callbacks=[clock],
+    )
+
+
+TRAINERS = {"ppo": ppo_trainer, "rloo": rloo_trainer, "grpo": grpo_trainer}
+
+
 def main(workload: Path, algo: str) -> None:
     spec = json.loads((workload / "spec.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(workload / "policy")
     clock = UpdateClock()
     with tempfile.TemporaryDirectory() as output_dir:
-        build = ppo_trainer if algo == "ppo" else rloo_trainer
-        trainer = build(spec, workload, tokenizer, clock, output_dir)
+        trainer = TRAINERS[algo](spec, workload, tokenizer, clock, output_dir)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
