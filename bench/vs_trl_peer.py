@@ -69,37 +69,18 @@ def ppo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, outpu
     )
 
 
-def rloo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, output_dir: str):
-    from trl import RLOOConfig, RLOOTrainer
+def group_trainer(algo: str, spec: dict, workload: Path, tokenizer, clock: UpdateClock, output_dir: str):
+    """RLOO (TRL 1.9.0 or 1.16.0) or GRPO (1.16.0): the same config fields and trainer arguments; GRPO at its
+    GRPOConfig defaults (beta 0: no reference model; loss dapo; one generation per optimizer step)."""
+    import trl
 
-    args = RLOOConfig(
+    config, trainer = (trl.RLOOConfig, trl.RLOOTrainer) if algo == "rloo" else (trl.GRPOConfig, trl.GRPOTrainer)
+    own = {"num_generations": spec["rloo_k"], "beta": spec["kl_coef"]} if algo == "rloo" else \
+        {"num_generations": spec["grpo_generations"]}
+    args = config(
         output_dir=output_dir, seed=spec["seed"], learning_rate=spec["learning_rate"],
         per_device_train_batch_size=spec["per_device_train_batch_size"],
-        gradient_accumulation_steps=spec["gradient_accumulation_steps"], num_generations=spec["rloo_k"],
-        num_iterations=1, max_completion_length=spec["response_length"], temperature=spec["temperature"],
-        top_k=0, top_p=1.0, beta=spec["kl_coef"], max_steps=spec["updates"], logging_steps=1,
-        gradient_checkpointing=spec["gradient_checkpointing"], save_strategy="no", report_to="none",
-        disable_tqdm=True, **precision_args(),
-    )
-    prompts = json.loads((workload / "prompts.json").read_text())
-    dataset = Dataset.from_dict({"prompt": tokenizer.batch_decode(prompts)})  # word-level: decodes exactly
-    return RLOOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(workload / "policy"),
-        reward_funcs=AutoModelForSequenceClassification.from_pretrained(workload / "scorer"),
-        args=args, train_dataset=dataset, processing_class=tokenizer, reward_processing_classes=tokenizer,
-        callbacks=[clock],
-    )
-
-
-def grpo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, output_dir: str):
-    """TRL 1.16.0's GRPOTrainer at its GRPOConfig defaults (beta 0: no reference model; loss dapo; one generation
-    per optimizer step of per_device x accumulation completions, num_generations per prompt)."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(
-        output_dir=output_dir, seed=spec["seed"], learning_rate=spec["learning_rate"],
-        per_device_train_batch_size=spec["per_device_train_batch_size"],
-        gradient_accumulation_steps=spec["gradient_accumulation_steps"], num_generations=spec["grpo_generations"],
+        gradient_accumulation_steps=spec["gradient_accumulation_steps"], **own,
         num_iterations=1, max_completion_length=spec["response_length"], temperature=spec["temperature"],
         top_k=0, top_p=1.0, max_steps=spec["updates"], logging_steps=1,
         gradient_checkpointing=spec["gradient_checkpointing"], save_strategy="no", report_to="none",
@@ -107,7 +88,7 @@ def grpo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, outp
     )
     prompts = json.loads((workload / "prompts.json").read_text())
     dataset = Dataset.from_dict({"prompt": tokenizer.batch_decode(prompts)})  # word-level: decodes exactly
-    return GRPOTrainer(
+    return trainer(
         model=AutoModelForCausalLM.from_pretrained(workload / "policy"),
         reward_funcs=AutoModelForSequenceClassification.from_pretrained(workload / "scorer"),
         args=args, train_dataset=dataset, processing_class=tokenizer, reward_processing_classes=tokenizer,
@@ -115,15 +96,13 @@ def grpo_trainer(spec: dict, workload: Path, tokenizer, clock: UpdateClock, outp
     )
 
 
-TRAINERS = {"ppo": ppo_trainer, "rloo": rloo_trainer, "grpo": grpo_trainer}
-
-
 def main(workload: Path, algo: str) -> None:
     spec = json.loads((workload / "spec.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(workload / "policy")
     clock = UpdateClock()
     with tempfile.TemporaryDirectory() as output_dir:
-        trainer = TRAINERS[algo](spec, workload, tokenizer, clock, output_dir)
+        trainer = (ppo_trainer(spec, workload, tokenizer, clock, output_dir) if algo == "ppo" else
+                   group_trainer(algo, spec, workload, tokenizer, clock, output_dir))
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
