@@ -279,7 +279,7 @@ def _run_trl(directory: Path, cases: list[dict]) -> list[dict]:
     done = subprocess.run([str(TRL116_PYTHON), str(ROOT / "tests" / "trl116_side.py"), str(directory / "cases.pt"),
                            str(directory / "out.pt")], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(directory / "out.pt")
+    return torch.load(directory / "out.pt", weights_only=True)
 
 
 def _grads_close(ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor], label: str) -> dict:

@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 def main(cases_path: str, out_path: str) -> None:
     assert trl.__version__ == "1.16.0", trl.__version__
-    torch.save([run_case(case) for case in torch.load(cases_path, weights_only=False)], out_path)
+    torch.save([run_case(case) for case in torch.load(cases_path, weights_only=True)], out_path)
 
 
 def run_case(case: dict) -> dict:
