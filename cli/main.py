@@ -83,10 +83,12 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     With runtime.num_processes > 1 or runtime.accelerate_config, sft, reward-model and train relaunch
     themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
     """
+    from tasks.common.runner import end_launched_rank
     from tasks.common.stage_outcome import recorded_outcome
 
     with recorded_outcome():  # for the flow: whether a retry can fix a failure (tasks/common/transient.py)
         _stage(name, profile, overrides)
+    end_launched_rank()  # a rank that finished leaves without the interpreter's teardown
 
 
 def _stage(name: str, profile: str | None, overrides: list[str] | None) -> None:

@@ -216,3 +216,18 @@ def test_a_launched_rank_leaves_its_process_group_and_a_callers_group_stays(monk
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_a_launched_rank_that_finished_exits_0_with_its_output_and_exit_handlers(workspace):
+    """A finished rank skips the interpreter's teardown (os._exit), yet its buffered stdout (the stage's JSON, on a
+    pipe) reaches the launcher, and the exit handlers ran: its entry in the registry of torch processes is gone."""
+    from rlhf_core.threads import registry
+
+    env = {**os.environ, LAUNCHED_ENV: "1", "RLHF_TRACKING": "off"}
+    env.pop("RLHF_THREADS", None)  # the registry is kept unless the user fixes the threads
+    with subprocess.Popen([RLHF, "stage", "prepare", *[x for item in TINY for x in ("--set", item)]], cwd=workspace,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert json.loads(stdout[stdout.index("{"):])["stage_seconds"] > 0
+    assert not (registry() / str(proc.pid)).exists(), "the exit handlers ran"
