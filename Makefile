@@ -96,7 +96,7 @@ lint: setup
 
 # dvc.yaml's code deps are generated from each stage's imports (tests/test_code_deps.py fails when stale).
 dvc-deps: setup
-	$(BIN)/python -m tasks.common.code_deps --write
+	$(BIN)/python -m tasks.dag.code_deps --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache

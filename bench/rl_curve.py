@@ -17,9 +17,9 @@ import time
 from rlhf_core.greedy_eval import evaluate
 from rlhf_core.jsonio import read_jsonl
 from rlhf_core.models import load_policy
-from tasks.common.gold_wiring import gold_fn
-from tasks.common.params import load_params
-from tasks.common.paths import Paths
+from tasks.demo_world.gold_wiring import gold_fn
+from tasks.parameters.params import load_params
+from tasks.parameters.paths import Paths
 from tasks.stages.train import build_trainer
 
 SHOWN = ("win_rate_rm", "win_rate_gold", "mean_kl", "mean_score_gold", "ref_mean_score_gold", "eos_rate",

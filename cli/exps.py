@@ -18,7 +18,7 @@ from typing import Annotated
 
 import typer
 
-from tasks.common.params import flatten
+from tasks.parameters.params import flatten
 
 ALWAYS = ("base.profile", "train.algo")  # params shown in every table
 METRICS = {  # column title: (metrics file, key)

@@ -40,8 +40,7 @@ def from_trl(config: Annotated[Path, typer.Argument(help="TRL's YAML config: PPO
 
     Exit status: 0 written (warnings are printed), 2 the config cannot be converted.
     """
-    from tasks.common.params import ParamsError
-    from tasks.common.trl_recipe import (
+    from tasks.from_trl.recipe import (
         Launch,
         RecipeError,
         check_profile,
@@ -50,6 +49,7 @@ def from_trl(config: Annotated[Path, typer.Argument(help="TRL's YAML config: PPO
         read_trl_config,
         report_lines,
     )
+    from tasks.parameters.params import ParamsError
 
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", (out or config).stem).strip("-") or "trl"
     try:

@@ -83,21 +83,21 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     With runtime.num_processes > 1 or runtime.accelerate_config, sft, reward-model and train relaunch
     themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
     """
-    from tasks.common.runner import end_launched_rank
-    from tasks.common.stage_outcome import recorded_outcome
+    from tasks.execution.outcome import recorded_outcome
+    from tasks.runner import end_launched_rank
 
-    with recorded_outcome():  # for the flow: whether a retry can fix a failure (tasks/common/transient.py)
+    with recorded_outcome():  # for the flow: whether a retry can fix a failure (tasks/execution/transient.py)
         _stage(name, profile, overrides)
     end_launched_rank()  # a rank that finished leaves without the interpreter's teardown
 
 
 def _stage(name: str, profile: str | None, overrides: list[str] | None) -> None:
     # light imports only: a stage loads torch and the model code itself when it needs them
-    from tasks.common.errors import StageFailed
-    from tasks.common.launcher import is_main_process, launch_command, run_launched
-    from tasks.common.model_checks import check_lora_settings
-    from tasks.common.params import ParamsError, load_params
-    from tasks.common.runner import check_stage_name, run_stage
+    from tasks.checks.model_checks import check_lora_settings
+    from tasks.execution.errors import StageFailed
+    from tasks.execution.launcher import is_main_process, launch_command, run_launched
+    from tasks.parameters.params import ParamsError, load_params
+    from tasks.runner import check_stage_name, run_stage
 
     args = [*(["--profile", profile] if profile else []), *(x for item in overrides or [] for x in ("--set", item))]
     try:
@@ -138,8 +138,8 @@ def run(profile: Profile = None, overrides: Overrides = None,
     """
     from flows.overrides import check_run_inputs
     from flows.prefect_env import use_local_prefect
-    from tasks.common.params import ParamsError, load_params
-    from tasks.common.progress import quiet_libraries
+    from tasks.parameters.params import ParamsError, load_params
+    from tasks.tracking.progress import quiet_libraries
 
     root = Path.cwd()
     try:  # fail on a bad key, a missing source file or an ignored override at once, before Prefect starts
@@ -155,8 +155,8 @@ def run(profile: Profile = None, overrides: Overrides = None,
     quiet_libraries()
     from flows import interrupt
     from flows.prefect_env import temporary_server_if_needed
-    from tasks.common.mlflow_store import tracking_enabled, tracking_uri
-    from tasks.common.progress import print_run_summary
+    from tasks.tracking.mlflow_store import tracking_enabled, tracking_uri
+    from tasks.tracking.progress import print_run_summary
 
     started = time.time()
     with temporary_server_if_needed(meanwhile=functools.partial(ready_the_run, root)):
@@ -184,9 +184,9 @@ def _report_without_prefect(root: Path, err: Exception, started: float) -> NoRet
 
     from flows.servers import redact
     from rlhf_core.jsonio import read_json_object
-    from tasks.common.mlflow_store import tracking_enabled, tracking_uri
-    from tasks.common.progress import print_run_summary
-    from tasks.common.transient import transient_cause
+    from tasks.execution.transient import transient_cause
+    from tasks.tracking.mlflow_store import tracking_enabled, tracking_uri
+    from tasks.tracking.progress import print_run_summary
 
     cause = transient_cause(err)
     if cause is None:
@@ -211,7 +211,7 @@ def _report_without_prefect(root: Path, err: Exception, started: float) -> NoRet
 def _registry_line(root) -> str | None:
     """The registered version of this run's policy, as the registry has it now (not as a file once said)."""
     from rlhf_core.jsonio import read_json_object
-    from tasks.common.registry import registry_verdict
+    from tasks.tracking.registry import registry_verdict
 
     report = read_json_object(root / "metrics" / "register.json")
     return None if report is None else registry_verdict(root, report)
@@ -245,7 +245,7 @@ def serve() -> None:
     from flows.deployments import deployment_names, serve_deployments
     from flows.prefect_env import use_local_prefect
     from flows.servers import redact
-    from tasks.common.progress import quiet_libraries
+    from tasks.tracking.progress import quiet_libraries
 
     use_local_prefect(Path.cwd())
     quiet_libraries()
@@ -348,7 +348,7 @@ app.command()(sweep)  # rlhf sweep --grid train.kl_coef=...: the pipeline over a
 def main() -> None:
     from transformers.utils import logging as hf_logging
 
-    from tasks.common.progress import quiet_libraries
+    from tasks.tracking.progress import quiet_libraries
 
     quiet_libraries()
 

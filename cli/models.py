@@ -21,7 +21,7 @@ HEADLINE = ("win_rate_rm", "win_rate_gold", "mean_kl", "mean_score_rm", "mean_sc
 def _model_name(name: str | None) -> str:
     if name:
         return name
-    from tasks.common.params import load_params
+    from tasks.parameters.params import load_params
 
     return load_params(".").register.model_name
 
@@ -42,13 +42,13 @@ def _versions(client, name: str) -> list:
 
 
 def _uri() -> str:
-    from tasks.common.mlflow_store import tracking_uri
+    from tasks.tracking.mlflow_store import tracking_uri
 
     return tracking_uri(".")
 
 
 def _client():
-    from tasks.common.mlflow_store import TrackingError, get_client
+    from tasks.tracking.mlflow_store import TrackingError, get_client
 
     try:
         return get_client(".")
@@ -84,7 +84,7 @@ def _overrides(version) -> str:
 
 def _gate(version) -> str:
     """The gate's decision at registration, and the last promotion by hand (the aliases say what holds now)."""
-    from tasks.common.registry import DECISION_TAG, last_promotion, tag
+    from tasks.tracking.registry import DECISION_TAG, last_promotion, tag
 
     decision = tag(version, DECISION_TAG, "-")
     last = last_promotion(version)
@@ -94,7 +94,7 @@ def _gate(version) -> str:
 
 
 def _champion_before(version) -> str:
-    from tasks.common.registry import BEFORE_TAG
+    from tasks.tracking.registry import BEFORE_TAG
 
     if BEFORE_TAG in version.tags:
         return version.tags[BEFORE_TAG]
@@ -118,7 +118,7 @@ def list_versions(name: Name = None) -> None:
     from rich import box
     from rich.table import Table
 
-    from tasks.common.registry import KL_TAG, METRIC_TAG, PRIMARY_TAG, REASON_TAG, tag
+    from tasks.tracking.registry import KL_TAG, METRIC_TAG, PRIMARY_TAG, REASON_TAG, tag
 
     client, name = _client(), _model_name(name)
     versions, aliases = _versions(client, name), _aliases(client, name)
@@ -147,7 +147,7 @@ def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions 
     """Evaluation metrics, the gate's figures and decision, and the overrides of versions side by side."""
     from rich.table import Table
 
-    from tasks.common.registry import METRIC_TAG, REASON_TAG, eval_figures, tag
+    from tasks.tracking.registry import METRIC_TAG, REASON_TAG, eval_figures, tag
 
     client, name = _client(), _model_name(name)
     found, aliases = _versions(client, name), _aliases(client, name)
@@ -180,7 +180,7 @@ def compare(versions: Annotated[list[str] | None, typer.Argument(help="Versions 
 
 
 def _settings(version) -> str:
-    from tasks.common.registry import SETTINGS_TAG
+    from tasks.tracking.registry import SETTINGS_TAG
 
     if SETTINGS_TAG in version.tags:
         return version.tags[SETTINGS_TAG]
@@ -199,8 +199,8 @@ def promote_version(version: Annotated[str, typer.Argument(help="The version to 
     """Move the champion alias to VERSION, recording who promoted it, when and why (the history is kept).
 
     A version the gate rejected at registration is promoted only with --force and a --reason."""
-    from tasks.common.registry import CHAMPION, DECISION_TAG, REASON_TAG, champion_of, tag
     from tasks.stages.register import current_user, promote
+    from tasks.tracking.registry import CHAMPION, DECISION_TAG, REASON_TAG, champion_of, tag
 
     client, name = _client(), _model_name(name)
     found = {str(v.version): v for v in _versions(client, name)}

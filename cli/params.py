@@ -49,7 +49,7 @@ def reset() -> None:
 
     from flows.lock import held_by_another
     from flows.overrides import RESTORE_NOTE
-    from tasks.common.params import PARAMS_FILE
+    from tasks.parameters.params import PARAMS_FILE
 
     if live := held_by_another(Path.cwd()):
         typer.echo(f"error: a run in progress holds this workspace ({live}); its stages read params.yaml, which "

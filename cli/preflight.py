@@ -14,7 +14,7 @@ def ready_the_run(root: Path) -> None:
     (~15 s): import the flow (~2.5 s) and open the MLflow store (~3.5 s of imports; in a fresh clone its
     migrations too). A store that cannot be opened is the flow's to report, as it does without this."""
     import flows.pipeline  # noqa: F401
-    from tasks.common.mlflow_store import TrackingError, get_client, tracking_enabled
+    from tasks.tracking.mlflow_store import TrackingError, get_client, tracking_enabled
 
     if tracking_enabled():
         with contextlib.suppress(TrackingError):

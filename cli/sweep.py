@@ -33,8 +33,8 @@ def sweep(grid: Grid,
     """
     from flows.prefect_env import temporary_server_if_needed, use_local_prefect
     from flows.sweep import GridError, plan
-    from tasks.common.params import ParamsError, load_params
-    from tasks.common.progress import quiet_libraries
+    from tasks.parameters.params import ParamsError, load_params
+    from tasks.tracking.progress import quiet_libraries
 
     root = Path.cwd()
     if concurrency > 1 and not deployment:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from rlhf_core.jsonio import read_json_object, write_json
-from tasks.common.launcher import stop_group
-from tasks.common.stage_outcome import OUTCOME_ENV, retry_reason
-from tasks.common.transient import transient_cause
+from tasks.execution.launcher import stop_group
+from tasks.execution.outcome import OUTCOME_ENV, retry_reason
+from tasks.execution.transient import transient_cause
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STOP_GRACE_S = 5.0  # a stopped stage's time to end its MLflow run and DVC's lock before the next signal
@@ -44,7 +44,7 @@ class ReproResult:
     seconds: float
     log: Path
     restored: bool = False  # DVC restored its outputs from the run cache: an earlier run had these inputs
-    retry_reason: str | None = None  # a failure a retry may fix: why (tasks/common/transient.py), else None
+    retry_reason: str | None = None  # a failure a retry may fix: why (tasks/execution/transient.py), else None
 
 
 def stage_env(extra: Mapping[str, str], terminal: bool) -> dict[str, str]:
@@ -83,7 +83,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
     log.parent.mkdir(parents=True, exist_ok=True)
     fd, result_file = tempfile.mkstemp(prefix=f"rlhf-{name}-", suffix=".json")
     os.close(fd)
-    outcome_file = Path(result_file).with_suffix(".outcome.json")  # the stage's own (tasks/common/stage_outcome.py)
+    outcome_file = Path(result_file).with_suffix(".outcome.json")  # the stage's own (tasks/execution/outcome.py)
     env = {**env, OUTCOME_ENV: str(outcome_file)}
     start = time.monotonic()
     try:

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from prefect.exceptions import CancelledRun
 
 from flows.dvc_repro import stop_stages
-from tasks.common.transient import transient_cause
+from tasks.execution.transient import transient_cause
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[str] = []  # names of the signals received while handlers are installed

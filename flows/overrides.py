@@ -29,8 +29,8 @@ import yaml
 
 from rlhf_core.jsonio import read_json_object, write_json
 from rlhf_core.sources import LOCAL_SUFFIXES
-from tasks.common.model_checks import check_lora_settings
-from tasks.common.params import (
+from tasks.checks.model_checks import check_lora_settings
+from tasks.parameters.params import (
     PARAMS_FILE,
     PROFILES_DIR,
     RUN_PARAMS_NOTE,
@@ -136,7 +136,7 @@ def planned_changes(root: str | Path, profile: str, overrides: list[str]) -> lis
 def overrides_applied(root: str | Path, profile: str, overrides: list[str]) -> Iterator[list[tuple[str, Any, Any]]]:
     """params.yaml with the run's overrides while the block runs, as it was afterwards; yields the changes.
 
-    Raises tasks.common.params.ParamsError before anything is written."""
+    Raises tasks.parameters.params.ParamsError before anything is written."""
     root = Path(root)
     changes = planned_changes(root, profile, overrides)
     if not changes:

@@ -17,7 +17,7 @@ wait for another run that holds the workspace. One run:
 
 A failed stage fails the run with a message naming the stage and the tail of its log. SIGINT or SIGTERM stops
 the running stage and ends the run Cancelled through the same path (flows/interrupt.py). Only failures a
-retry can fix are retried, told by their type (tasks/common/transient.py: a server down or timing out, HTTP 5xx,
+retry can fix are retried, told by their type (tasks/execution/transient.py: a server down or timing out, HTTP 5xx,
 DVC's lock held by a manual `dvc repro`, a stage killed by a signal such as the OOM killer's), never by the log.
 """
 
@@ -49,10 +49,10 @@ from flows.overrides import (
 )
 from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
 from flows.progress import forwarded_progress
-from tasks.common.dvc_yaml import stage_names
-from tasks.common.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
-from tasks.common.params import ParamsError, load_params
-from tasks.common.transient import transient_cause
+from tasks.dag.dvc_yaml import stage_names
+from tasks.execution.transient import transient_cause
+from tasks.parameters.params import ParamsError, load_params
+from tasks.tracking.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
 
 LOGS_DIR = "reports/logs"
 UI_ONLY_LOGGER = "prefect.extra"  # Prefect sends its records to the API only (no console handler)

@@ -4,7 +4,7 @@ params (`rlhf.params_hash`: runs of the same params share it), opened with the r
 closed with dvc.lock, metrics/*.json and the headline metrics lifted onto it. Opening it ends the RUNNING runs
 of processes that died (mlflow_store.end_runs_of_dead_processes).
 
-Its writes go as a stage's do (tasks/common/mlflow_tracker.py): on a tracking server, opening it is retried and
+Its writes go as a stage's do (tasks/tracking/mlflow_tracker.py): on a tracking server, opening it is retried and
 made once; its params, artifacts, metrics and end are queued and retried through an outage, and closing it
 waits for them, then fails the run naming what was not sent or what was refused."""
 
@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf_core.jsonio import read_json_object
-from tasks.common.lineage import lineage_tags
-from tasks.common.mlflow_store import (
+from tasks.execution.transient import redact
+from tasks.parameters.params import Params, load_params
+from tasks.tracking.lineage import lineage_tags
+from tasks.tracking.mlflow_store import (
     TrackingError,
     end_runs_of_dead_processes,
     experiment_id,
@@ -30,11 +32,9 @@ from tasks.common.mlflow_store import (
     tracking_uri,
     unique_run_name,
 )
-from tasks.common.mlflow_store import run_name as _run_name
-from tasks.common.mlflow_tracker import MlflowTracker, RetryingClient, retrying
-from tasks.common.params import Params, load_params
-from tasks.common.stage_tracking import OVERRIDES_TAG
-from tasks.common.transient import redact
+from tasks.tracking.mlflow_store import run_name as _run_name
+from tasks.tracking.mlflow_tracker import MlflowTracker, RetryingClient, retrying
+from tasks.tracking.stage_tracking import OVERRIDES_TAG
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """A running stage's progress in the Prefect UI: its task's log every few steps, and a progress artifact.
 
-The stage runs in a `dvc repro` subprocess, where its bars (tasks/common/progress.py) append their moves to the
+The stage runs in a `dvc repro` subprocess, where its bars (tasks/tracking/progress.py) append their moves to the
 file named by RLHF_PROGRESS_FILE. While the stage runs, a thread of the flow reads that file every second and
 forwards what it finds: a log line at the first move, every tenth of the bar and the last
 ("train: update 3/8  reward 0.41  kl 0.02  episodes/s 12  length 7  (38%, eta 0:00:05)"), and the percentage
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tasks.common.progress import PROGRESS_FILE_ENV, move_line, progress_label
+from tasks.tracking.progress import PROGRESS_FILE_ENV, move_line, progress_label
 
 POLL_S = 1.0  # how often the file is read: a second's delay in the UI, one API call a second at most
 LOG_FRACTION = 0.1  # a log line each tenth of a bar (and its first and last moves)

@@ -10,7 +10,7 @@ from typing import Any
 
 from rlhf_core import chat
 from rlhf_core.jsonio import read_json_object, read_jsonl
-from tasks.common.registry import registry_verdict
+from tasks.tracking.registry import registry_verdict
 
 # artifact key -> (stage whose output it shows, file under the workspace root)
 STAGE_REPORTS = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from tasks.common.transient import redact
+from tasks.execution.transient import redact
 
 TIMEOUT_ENV = "RLHF_SERVER_CHECK_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 10.0
@@ -72,7 +72,7 @@ def check_prefect() -> None:
 
 def check_mlflow() -> None:
     """An http(s) MLFLOW_TRACKING_URI answers a search of experiments with the credentials MLflow would send."""
-    from tasks.common.mlflow_store import TRACKING_ENV, tracking_enabled
+    from tasks.tracking.mlflow_store import TRACKING_ENV, tracking_enabled
 
     uri = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if not uri or not tracking_enabled() or not uri.startswith(("http://", "https://")):

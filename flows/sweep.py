@@ -14,7 +14,7 @@ slowest). Each point is one run of the pipeline flow `rlhf-pipeline` with the sw
   grid, and reports/sweep/<key>.json records each finished point. Rerunning the same sweep after Ctrl-C or
   kill -9 keeps the finished points and starts at the first unfinished one, whose train resumes from its
   checkpoint;
-- **the frontier** (tasks/common/frontier.py): reports/sweep/frontier.{json,png}, also on the sweep's MLflow
+- **the frontier** (tasks/reports/frontier.py): reports/sweep/frontier.{json,png}, also on the sweep's MLflow
   run: gold and reward-model score against sqrt(KL) per algorithm, the Gao et al. fit of the gold curve and
   the candidate the registry gate would promote (a grid over `base.seed` averages each setting's seeds).
 """
@@ -40,9 +40,10 @@ from flows.pipeline_run import EXPERIMENT_TAG, open_tracker, run_url
 from flows.pipeline_run import _client as pipeline_run_client
 from rlhf_core.jsonio import read_json_object, write_json
 from rlhf_core.threads import PROCESSES_ENV, processes_sharing
-from tasks.common.frontier import frontier, plot_frontier
-from tasks.common.frontier_uncertainty import EVAL_SCORES, PER_PROMPT, fit_text, gain_text, verdict_text
-from tasks.common.mlflow_store import (
+from tasks.parameters.params import PARAMS_FILE, ParamsError, load_params
+from tasks.reports.frontier import frontier, plot_frontier
+from tasks.reports.frontier_uncertainty import EVAL_SCORES, PER_PROMPT, fit_text, gain_text, verdict_text
+from tasks.tracking.mlflow_store import (
     TrackingError,
     experiment_id,
     get_client,
@@ -50,8 +51,7 @@ from tasks.common.mlflow_store import (
     tracking_enabled,
     unique_run_name,
 )
-from tasks.common.mlflow_tracker import MlflowTracker, TrackingUnavailable
-from tasks.common.params import PARAMS_FILE, ParamsError, load_params
+from tasks.tracking.mlflow_tracker import MlflowTracker, TrackingUnavailable
 
 SWEEP_DIR = "reports/sweep"
 SWEEP_TAG = "rlhf.sweep"

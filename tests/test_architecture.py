@@ -4,11 +4,12 @@ function), the stages as one folder, and the libraries each layer may use."""
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
 
-from tasks.stages import STAGES
+from tasks.dag.stage_modules import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("rlhf_core", "tasks", "flows", "cli")  # bottom to top: a package may import its own layer and below
@@ -46,13 +47,45 @@ def violations(root: Path) -> list[str]:
                 in_stage = where.parts[:2] == ("tasks", "stages") and path.name != "__init__.py"
                 if in_stage and module.startswith("tasks.stages.") and module != f"tasks.stages.{path.stem}":
                     out.append(f"{where}:{line} imports {module}: a stage never imports another stage")
-                if where.parts[:2] == ("tasks", "common") and module.startswith("tasks.stages."):
-                    out.append(f"{where}:{line} imports {module}: the stages' plumbing never imports a stage")
+                in_room = layer == "tasks" and where.parts[1] not in ("stages", "runner.py")
+                if in_room and (module.startswith("tasks.stages.") or module == "tasks.runner"):
+                    out.append(f"{where}:{line} imports {module}: a room of tasks/ sits below the stages")
     return out
+
+
+def room_imports(root: Path) -> dict[str, set[str]]:
+    """tasks/'s rooms (its packages but the stages) -> the other rooms they import."""
+    rooms = {p.parent.name for p in (root / "tasks").glob("*/__init__.py")} - {"stages"}
+    graph: dict[str, set[str]] = {room: set() for room in rooms}
+    for room in rooms:
+        for path in (root / "tasks" / room).rglob("*.py"):
+            for _, module in imports(path):
+                parts = module.split(".")
+                if parts[0] == "tasks" and len(parts) > 1 and parts[1] in rooms and parts[1] != room:
+                    graph[room].add(parts[1])
+    return graph
 
 
 def test_no_upward_import_anywhere():
     assert violations(ROOT) == []
+
+
+def test_the_rooms_of_tasks_form_no_circle():
+    """Each room can be read and changed on top of the ones it imports: no two rooms import each other, even
+    through a third (graphlib raises CycleError naming the circle)."""
+    graph = room_imports(ROOT)
+    assert {"parameters", "execution", "tracking", "dag"} <= set(graph)
+    order = list(graphlib.TopologicalSorter(graph).static_order())
+    assert order.index("parameters") < order.index("tracking")
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    for room, other in (("one", "two"), ("two", "three"), ("three", "one")):
+        (tmp_path / "tasks" / room).mkdir(parents=True)
+        (tmp_path / "tasks" / room / "__init__.py").write_text("")
+        (tmp_path / "tasks" / room / "a.py").write_text(f"def f():\n    from tasks.{other}.a import f\n")
+    with pytest.raises(graphlib.CycleError):
+        list(graphlib.TopologicalSorter(room_imports(tmp_path)).static_order())
 
 
 def test_the_checker_sees_an_import_hidden_in_a_function(tmp_path):
@@ -62,17 +95,20 @@ def test_the_checker_sees_an_import_hidden_in_a_function(tmp_path):
     (tmp_path / "rlhf_core" / "logs.py").write_text("if True:\n    import mlflow\n")
     (tmp_path / "tasks" / "stages").mkdir()
     (tmp_path / "tasks" / "stages" / "evaluate.py").write_text("from tasks.stages.train import build_trainer\n")
+    (tmp_path / "tasks" / "tracking").mkdir()
+    (tmp_path / "tasks" / "tracking" / "runs.py").write_text("from tasks.stages.train import build_trainer\n")
     found = violations(tmp_path)
     assert any("tasks/sneaky.py:2 imports flows.pipeline" in v for v in found), found
     assert any("rlhf_core/logs.py:2 imports mlflow" in v for v in found), found
     assert any("a stage never imports another stage" in v for v in found), found
+    assert any("tasks/tracking/runs.py:1 imports tasks.stages.train: a room" in v for v in found), found
 
 
 def test_every_dvc_stage_is_one_module_of_the_stages_folder_named_as_it():
     import yaml
 
     stages = list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
-    assert list(STAGES) == stages, "tasks.stages.STAGES lists dvc.yaml's stages in its order"
+    assert list(STAGES) == stages, "tasks.dag.stage_modules.STAGES lists dvc.yaml's stages in its order"
     modules = {p.stem for p in (ROOT / "tasks" / "stages").glob("*.py")} - {"__init__"}
     assert modules == {name.replace("-", "_") for name in stages}
     for name, module in STAGES.items():
@@ -82,7 +118,7 @@ def test_every_dvc_stage_is_one_module_of_the_stages_folder_named_as_it():
         assert run is not None and [a.arg for a in run.args.args] == ["params", "paths"], f"{module}.run(params, paths)"
 
 
-@pytest.mark.parametrize("module", ["rlhf_core", "tasks.stages.train", "tasks.common.runner"])
+@pytest.mark.parametrize("module", ["rlhf_core", "tasks.stages.train", "tasks.runner"])
 def test_importing_the_library_and_the_stages_never_loads_the_orchestration(module):
     """A stage process loads neither Prefect nor the CLI (checked at run time, in a fresh interpreter)."""
     import subprocess

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.common.code_deps import PACKAGES, RUNNER, closure, stage_code_deps, stale
-from tasks.common.dvc_yaml import entry_paths, load_stages
-from tasks.stages import STAGES
+from tasks.dag.code_deps import PACKAGES, RUNNER, closure, stage_code_deps, stale
+from tasks.dag.dvc_yaml import entry_paths, load_stages
+from tasks.dag.stage_modules import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 DVC = (sys.executable, "-m", "dvc")  # this venv's DVC, whatever is on PATH
@@ -46,8 +46,8 @@ def test_every_project_module_a_stage_loads_is_among_its_deps(stage):
 
 def test_function_level_imports_count():
     """train imports its plots inside a function (matplotlib only when a trace is due): still a dep."""
-    assert "tasks.common.plots" in closure([STAGES["train"]])
-    assert "tasks/common/plots.py" in stage_code_deps("train")
+    assert "tasks.reports.plots" in closure([STAGES["train"]])
+    assert "tasks/reports/plots.py" in stage_code_deps("train")
     assert "rlhf_core/rl_trainer.py" not in stage_code_deps("prepare"), "only what a stage imports"
 
 
@@ -88,8 +88,8 @@ def test_editing_a_module_makes_dvc_status_report_the_stages_that_run_it(tmp_pat
     assert _changed_stages(repo) == set(), "placeholders committed: nothing changed yet"
     users = {stage: loaded_files(stage) | set(stage_code_deps(stage)) for stage in STAGES}
     for module in ("rlhf_core/ops.py", "rlhf_core/world/gold.py", "rlhf_core/batching.py",
-                   "tasks/common/gx_suites.py", "tasks/common/plots.py", "tasks/stages/register.py",
-                   "tasks/common/params.py"):
+                   "tasks/checks/gx_suites.py", "tasks/reports/plots.py", "tasks/stages/register.py",
+                   "tasks/parameters/params.py"):
         path = repo / module
         original = path.read_text()
         path.write_text(original + "\n# an edit\n")

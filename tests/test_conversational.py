@@ -231,7 +231,7 @@ def test_the_pipeline_runs_on_the_conversational_world(workspace):
     assert completions and all(chat.is_conversation(r["prompt"]) for r in completions)
 
 
-# -- every layout `prepare` reads validates as it is (tasks/common/layouts.py) ----------------------------------------
+# -- every layout `prepare` reads validates as it is (tasks/data/layouts.py) ----------------------------------------
 
 SYSTEM = {"role": "system", "content": "w9"}
 LAYOUTS = {  # name: (kind, rows as the file holds them, the layout the report names)
@@ -279,7 +279,7 @@ def test_every_layout_prepare_reads_validates_as_it_is(templated_workspace, name
 
 
 def layout_fields(kind: str) -> tuple[str, ...]:
-    from tasks.common.layouts import SCHEMA
+    from tasks.data.layouts import SCHEMA
 
     return SCHEMA[PREPARE_KIND[kind]]
 

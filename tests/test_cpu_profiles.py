@@ -15,7 +15,7 @@ import pytest
 from test_flow import BIN, base_env, pipeline_repo  # noqa: F401 (a fixture)
 from test_lora import GPU_GUIDE_COMMANDS as LORA_COMMANDS  # the LoRA commands, mapped beside their tests
 
-from tasks.common.launcher import LAUNCHED_ENV, MODEL_STAGES, launch_command
+from tasks.execution.launcher import LAUNCHED_ENV, MODEL_STAGES, launch_command
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -115,7 +115,7 @@ def test_the_cpu_profiles_run_every_model_stage_on_two_processes(monkeypatch):
     CLI computes it (`load_params`, then `launch_command`): every model stage on 2 processes through its launcher
     (torchrun's gloo world for cpu-ddp, accelerate with the ZeRO-3 config for cpu-zero3), every other stage in the
     calling process. The whole flow under cpu-zero3 (above) records the same 2 ranks in each model stage's metrics."""
-    from tasks.common.params import load_params
+    from tasks.parameters.params import load_params
 
     monkeypatch.delenv(LAUNCHED_ENV, raising=False)  # as `rlhf stage` starts: not yet a launched rank
     monkeypatch.chdir(REPO)  # the profile names its accelerate config relative to the workspace

@@ -26,7 +26,7 @@ import typer
 from pydantic import BaseModel
 
 from cli.main import app
-from tasks.common.params import Params, ParamsError, load_params
+from tasks.parameters.params import Params, ParamsError, load_params
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"

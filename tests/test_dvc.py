@@ -13,8 +13,8 @@ import pytest
 import yaml
 from test_pipeline import TINY
 
-from tasks.common.offline_plots import TEMPLATE, template_html
-from tasks.common.params import deep_merge, parse_override
+from tasks.parameters.params import deep_merge, parse_override
+from tasks.reports.offline_plots import TEMPLATE, template_html
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def make_repo(root: Path, mlflow_db: Path) -> Path:
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     sh("git", "init", "-q", cwd=root)
     sh("dvc", "init", "-q", cwd=root)
-    for item in ("config", "offline-plots.html"):  # `dvc plots show` offline (tasks/common/offline_plots.py)
+    for item in ("config", "offline-plots.html"):  # `dvc plots show` offline (tasks/reports/offline_plots.py)
         shutil.copy(REPO / ".dvc" / item, root / ".dvc" / item)
     sh("git", "add", "-A", cwd=root)
     sh("git", "commit", "-qm", "init", cwd=root)
@@ -67,9 +67,9 @@ def dvc_repo(reproduced, tmp_path) -> Path:
 
 
 def test_the_offline_plots_template_is_current():
-    """.dvc/offline-plots.html is what tasks/common/offline_plots.py writes from the installed vl-convert-python:
+    """.dvc/offline-plots.html is what tasks/reports/offline_plots.py writes from the installed vl-convert-python:
     DVC fills it with the charts, and it holds Vega, Vega-Lite and Vega-Embed themselves."""
-    assert TEMPLATE.read_text() == template_html(), "run: python -m tasks.common.offline_plots"
+    assert TEMPLATE.read_text() == template_html(), "run: python -m tasks.reports.offline_plots"
     assert "{plot_divs}" in template_html() and "{scripts}" not in template_html(), "no CDN tag from DVC"
 
 

@@ -39,9 +39,9 @@ from flows.overrides import (
     planned_changes,
     restore_after_killed_run,
 )
-from tasks.common.dvc_yaml import stage_names
-from tasks.common.launcher import free_port
-from tasks.common.params import ParamsError, deep_merge, load_params, parse_override
+from tasks.dag.dvc_yaml import stage_names
+from tasks.execution.launcher import free_port
+from tasks.parameters.params import ParamsError, deep_merge, load_params, parse_override
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -137,7 +137,7 @@ def failing_repo(tmp_path):
     return git_dvc_repo(tmp_path)
 
 
-BAR = """from tasks.common.progress import progress_bar
+BAR = """from tasks.tracking.progress import progress_bar
 
 with progress_bar("ok", total=5) as update:  # a stage's bar, as train's moves on each update
     for i in range(1, 6):
@@ -444,7 +444,7 @@ def test_a_killed_run_leaves_a_note_the_next_run_restores_from(failing_repo):
 def test_git_dirty_ignores_the_runs_own_params_edit(failing_repo):
     """rlhf.git_dirty is about the code and inputs: an override run's own edit of params.yaml does not count,
     a user's edit (of params.yaml or anything else tracked) does, during the run too."""
-    from tasks.common.lineage import lineage_tags
+    from tasks.tracking.lineage import lineage_tags
 
     def dirty() -> str:
         return lineage_tags(failing_repo, "demo")["rlhf.git_dirty"]
@@ -543,7 +543,7 @@ def flaky_repo(tmp_path):
     port = free_port()  # nothing listens there
     stages = {}
     for name, fail in _FIRST_TIME.items():
-        script = (f"{_ATTEMPT.format(name=name)}\nfrom tasks.common.stage_outcome import recorded_outcome\n"
+        script = (f"{_ATTEMPT.format(name=name)}\nfrom tasks.execution.outcome import recorded_outcome\n"
                   f"with recorded_outcome():\n    if len(a.read_text()) == 1 or {name == 'words'}:\n"
                   f"        {fail.format(port=port)}\n    Path('{name}.out').write_text('ok')\n")
         (tmp_path / f"{name}.py").write_text(script)

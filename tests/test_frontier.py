@@ -1,4 +1,4 @@
-"""A frontier that claims only what its points support (tasks/common/frontier_uncertainty.py, issue 43 item 5).
+"""A frontier that claims only what its points support (tasks/reports/frontier_uncertainty.py, issue 43 item 5).
 
 Synthetic points with per-prompt scores, as the evaluate stage keeps them (reports/eval/scores.json): the
 two-point sweep that once printed "over-optimization" from gains of +0.503 and +0.500 now says what to run; a
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from tasks.common.frontier import frontier, frontier_figure, gao_curve
-from tasks.common.frontier_uncertainty import (
+from tasks.reports.frontier import frontier, frontier_figure, gao_curve
+from tasks.reports.frontier_uncertainty import (
     EVAL_SCORES,
     PER_PROMPT,
     interval,
@@ -175,7 +175,7 @@ def test_the_bootstrap_is_paired_seeded_and_widened_by_seeds_that_disagree():
 
 
 def test_refits_equal_the_least_squares_fit_on_each_replicate():
-    from tasks.common.frontier import fit_gao
+    from tasks.reports.frontier import fit_gao
 
     rng = np.random.default_rng(3)
     kls = rng.uniform(0.3, 9.0, size=(5, 4))
@@ -192,7 +192,7 @@ def test_refits_equal_the_least_squares_fit_on_each_replicate():
 def test_the_figure_draws_each_points_interval_as_an_error_bar():
     from matplotlib.container import ErrorbarContainer
 
-    from tasks.common.plots import plt
+    from tasks.reports.plots import plt
 
     world = _world(0)
     points = [_point(world, c, g, r, k) for c, g, r, k in ((0.3, 0.503, 1.783, 1.43), (0.15, 0.517, 1.827, 1.81),
@@ -228,7 +228,7 @@ def test_a_point_run_on_a_worker_brings_its_per_prompt_scores_back_from_mlflow(t
 
     from flows.pipeline_run import EXPERIMENT_TAG
     from flows.sweep import Point, _figures_from_mlflow, _record_point
-    from tasks.common.mlflow_store import get_client
+    from tasks.tracking.mlflow_store import get_client
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     point = _point(_world(0), 0.05, 0.5, 1.8, 2.0, noise=0.1)

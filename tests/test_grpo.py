@@ -229,7 +229,7 @@ def test_the_reward_flow_trace_of_a_grpo_update_is_written_with_and_without_a_re
     """The train stage's trace (JSON + heatmap) of a GRPO update; at TRL's beta 0 there is no reference, so no KL
     (the heatmap's title once formatted the missing KL and failed the stage at its first traced update)."""
     from rlhf_core.trace import trace_update
-    from tasks.common.plots import plot_trace
+    from tasks.reports.plots import plot_trace
 
     traces = []
     cfg = _tiny(total_episodes=32, beta=beta)

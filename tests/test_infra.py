@@ -194,7 +194,7 @@ def test_process_template_and_generated_templates_are_current():
 
 
 def test_gpu_deployments_name_their_pools_variables_and_valid_parameters():
-    from tasks.common.params import load_params
+    from tasks.parameters.params import load_params
 
     spec = yaml.safe_load((INFRA / "prefect-gpu.yaml").read_text())
     pools = {"rlhf-gpu": "process.json", "rlhf-gpu-docker": "docker-gpu.json", "rlhf-gpu-k8s": "kubernetes-gpu.json"}

@@ -15,8 +15,8 @@ from cli.main import app
 from rlhf_core.config import InspectionConfig
 from rlhf_core.reward_inspection.report import inspect_reward_model
 from rlhf_core.reward_trainer import evaluate_reward_model
-from tasks.common.params import Params
-from tasks.common.paths import Paths
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
 from tasks.stages.inspect import InspectionFailed
 from tasks.stages.inspect import run as run_stage
 from tests.test_validate import write_jsonl

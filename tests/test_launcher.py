@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from test_pipeline import TINY, invoke
 
 from rlhf_core.config import RuntimeConfig
-from tasks.common.launcher import LAUNCHED_ENV, launch_command
-from tasks.common.mlflow_store import get_client
-from tasks.common.runner import leave_process_group
+from tasks.execution.launcher import LAUNCHED_ENV, launch_command
+from tasks.runner import leave_process_group
+from tasks.tracking.mlflow_store import get_client
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 REPO = Path(__file__).resolve().parent.parent

@@ -140,7 +140,7 @@ def test_bad_model_inputs_are_named_before_anything_loads(train_workspace, make_
     from transformers import GPTNeoXForSequenceClassification
 
     from rlhf_core.bench import word_tokenizer
-    from tasks.common.model_checks import ModelInputError, check_reward_model, check_tokenizers
+    from tasks.checks.model_checks import ModelInputError, check_reward_model, check_tokenizers
 
     sft, reward = train_workspace / "models" / "sft", train_workspace / "models" / "reward"
     check_reward_model(reward)

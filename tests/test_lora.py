@@ -29,9 +29,9 @@ from rlhf_core.lora import ADAPTER_DIR
 from rlhf_core.models import load_policy, tiny_gpt_neox_config
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
-from tasks.common.launcher import LAUNCHED_ENV
-from tasks.common.params import ParamsError, deep_merge, load_params, parse_override
-from tasks.common.runner import run_stage
+from tasks.execution.launcher import LAUNCHED_ENV
+from tasks.parameters.params import ParamsError, deep_merge, load_params, parse_override
+from tasks.runner import run_stage
 
 REPO = Path(__file__).resolve().parent.parent
 RLHF = str(Path(sys.executable).parent / "rlhf")

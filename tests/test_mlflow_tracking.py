@@ -13,13 +13,13 @@ from test_pipeline import TINY
 
 from flows.pipeline_run import end_pipeline_run, iter_runs, run_name, run_url, start_pipeline_run
 from rlhf_core.jsonio import write_json, write_jsonl
-from tasks.common.lineage import file_md5
-from tasks.common.mlflow_store import TrackingError, experiment_id, experiment_url, get_client, tracking_uri
-from tasks.common.mlflow_tracker import MlflowTracker
-from tasks.common.params import load_params
-from tasks.common.progress import mlflow_ui_hint
-from tasks.common.runner import run_stage
-from tasks.common.stage_tracking import stage_tracker, track_stage
+from tasks.parameters.params import load_params
+from tasks.runner import run_stage
+from tasks.tracking.lineage import file_md5
+from tasks.tracking.mlflow_store import TrackingError, experiment_id, experiment_url, get_client, tracking_uri
+from tasks.tracking.mlflow_tracker import MlflowTracker
+from tasks.tracking.progress import mlflow_ui_hint
+from tasks.tracking.stage_tracking import stage_tracker, track_stage
 
 
 def artifacts(client, run_id: str, path: str | None = None) -> set[str]:
@@ -84,13 +84,13 @@ def test_the_next_run_ends_the_runs_of_a_process_killed_with_sigkill(workspace):
     import subprocess
     import sys
 
-    from tasks.common.mlflow_store import FOUND_DEAD_TAG, OWNER_HOST, OWNER_PID, OWNER_STARTED, owner_tags
+    from tasks.tracking.mlflow_store import FOUND_DEAD_TAG, OWNER_HOST, OWNER_PID, OWNER_STARTED, owner_tags
 
     root = workspace
     child = ("import os, sys, time\n"
              "from flows.pipeline_run import start_pipeline_run\n"
-             "from tasks.common.params import load_params\n"
-             "from tasks.common.stage_tracking import current_stage_run, track_stage\n"
+             "from tasks.parameters.params import load_params\n"
+             "from tasks.tracking.stage_tracking import current_stage_run, track_stage\n"
              "os.environ['RLHF_PARENT_RUN_ID'] = parent = start_pipeline_run('.', None, [])\n"
              "def work():\n"
              "    print(parent, current_stage_run().run_id, flush=True)\n"
@@ -186,7 +186,7 @@ def test_stage_reports_become_artifacts_and_tables(mlflow_root):
 def test_refused_writes_fail_the_close_naming_them_and_a_bad_parent_fails_first(mlflow_root, monkeypatch, caplog):
     """A write the store refuses for good is never swallowed: the stage goes on (training is not stopped by its
     logging), the writes after it still go, and the close fails naming each refused write."""
-    from tasks.common.mlflow_tracker import TrackingRefused
+    from tasks.tracking.mlflow_tracker import TrackingRefused
 
     client = get_client(mlflow_root)
     tracker = MlflowTracker(client, "f" * 32, flush_every=1)  # a run that does not exist
@@ -268,7 +268,7 @@ def test_a_gpu_machine_logs_system_metrics_through_the_queue_stopped_before_the_
     import threading
     import time
 
-    from tasks.common.stage_tracking import current_stage_run
+    from tasks.tracking.stage_tracking import current_stage_run
 
     def samplers() -> list[str]:
         return [t.name for t in threading.enumerate() if t.name.startswith(("rlhf-system-metrics",
@@ -312,8 +312,8 @@ def test_a_gpu_machine_logs_system_metrics_through_the_queue_stopped_before_the_
 def test_a_write_the_store_refuses_fails_the_stage_naming_it(mlflow_root):
     """A stage whose run gets a write the store refuses for good (here a param changed mid-run) does its work, then
     fails naming that write; its run ends FAILED, not FINISHED, with what was sent after the refusal."""
-    from tasks.common.mlflow_tracker import TrackingRefused
-    from tasks.common.stage_tracking import current_stage_run
+    from tasks.tracking.mlflow_tracker import TrackingRefused
+    from tasks.tracking.stage_tracking import current_stage_run
 
     seen = {}
 

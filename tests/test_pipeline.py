@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from tasks.common.mlflow_store import experiment_id, get_client
-from tasks.common.params import ParamsError, load_params
-from tasks.stages import STAGES
+from tasks.dag.stage_modules import STAGES
+from tasks.parameters.params import ParamsError, load_params
+from tasks.tracking.mlflow_store import experiment_id, get_client
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = [

@@ -1,5 +1,5 @@
 """A stage's progress as a person reads it while the stage runs: in its log with output redirected
-(tasks/common/progress.py, flows/dvc_repro.py), and in the Prefect UI's progress artifact (flows/progress.py)."""
+(tasks/tracking/progress.py, flows/dvc_repro.py), and in the Prefect UI's progress artifact (flows/progress.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60  # a deadline for a line to appear, not a timing assertion
 # A stage's SFT bar (epochs, fractional) that moves a quarter, then waits for the file `go` before it ends.
 HELD_BAR = """import pathlib, time
-from tasks.common.progress import progress_bar
+from tasks.tracking.progress import progress_bar
 
 with progress_bar("sft", total=4) as update:
     update(1.0, "epoch 1.00/4  loss 2.5")
@@ -62,7 +62,7 @@ def test_a_bar_without_a_terminal_writes_each_line_as_it_happens(tmp_path):
 def test_a_long_bar_without_a_terminal_says_something_every_half_minute(monkeypatch, capsys):
     """Between tenths of a long bar (a 16-minute SFT: a tenth is 1.6 min), a line each LINE_EVERY_S; moves that
     come quicker and smaller than a tenth wait for the next one."""
-    import tasks.common.progress as progress
+    import tasks.tracking.progress as progress
 
     monkeypatch.delenv("RLHF_PROGRESS_FILE", raising=False)
     with progress.progress_bar("sft", total=100) as update:
@@ -128,7 +128,7 @@ def test_the_progress_artifact_names_the_stage_once(local_prefect, monkeypatch):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from flows.progress import forwarded_progress
-    from tasks.common.progress import progress_bar
+    from tasks.tracking.progress import progress_bar
 
     lines = []
 

@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from rlhf_core.models import load_policy
-from tasks.common.mlflow_store import get_client, tracking_uri
-from tasks.common.params import RegisterParams
-from tasks.common.registry import eval_figures, history, registry_verdict
-from tasks.common.runner import run_stage
+from tasks.parameters.params import RegisterParams
+from tasks.runner import run_stage
 from tasks.stages.register import Best, Candidate, RegisterError, current_user, decide, gate_metric, read_eval
+from tasks.tracking.mlflow_store import get_client, tracking_uri
+from tasks.tracking.registry import eval_figures, history, registry_verdict
 
 NAME = "rlhf-policy"
 REPO = Path(__file__).resolve().parent.parent

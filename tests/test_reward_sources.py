@@ -11,8 +11,8 @@ from rlhf_core.config import RuntimeConfig
 from rlhf_core.models import init_sequence_scorer, save_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer, WeightedScorer
-from tasks.common.params import Params
-from tasks.common.paths import Paths
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
 from tasks.stages.train import build_scorer, reward_models
 
 

@@ -20,9 +20,9 @@ from test_pipeline import TINY
 from test_server_client import fast_client, served_workspace, tracking_server  # noqa: F401 (fixtures)
 
 from flows.pipeline_run import end_pipeline_run, start_pipeline_run
-from tasks.common.mlflow_store import get_client
-from tasks.common.mlflow_tracker import MlflowTracker, TrackingUnavailable
-from tasks.common.transient import transient_cause
+from tasks.execution.transient import transient_cause
+from tasks.tracking.mlflow_store import get_client
+from tasks.tracking.mlflow_tracker import MlflowTracker, TrackingUnavailable
 
 LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 

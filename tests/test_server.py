@@ -124,7 +124,7 @@ def stack(tmp_path_factory):
 def make_repo(path: Path, tiny: list[str], extra: tuple[str, ...] = ()) -> Path:
     """The pipeline in a fresh git + DVC repo (as a clone would be), the `tiny` overrides in params.yaml; `extra`:
     more files of the repo to commit with it."""
-    from tasks.common.params import deep_merge, parse_override
+    from tasks.parameters.params import deep_merge, parse_override
 
     path.mkdir(parents=True, exist_ok=True)
     for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "pyproject.toml", *extra):
@@ -338,7 +338,7 @@ def test_pipeline_on_the_server_stack(stack, repo, monkeypatch):
     assert httpx.post(f"{client_env['PREFECT_API_URL']}/flow_runs/filter", json={}, auth=(user, password)).status_code == 200
 
     # 4. DVC: the guide's commands, then a fresh clone pulls every output back
-    from tasks.common.params import deep_merge, parse_override
+    from tasks.parameters.params import deep_merge, parse_override
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
     for item in OVERRIDES:  # adopt the run's parameters, so the commit says what dvc.lock ran
@@ -415,7 +415,7 @@ def _stage_on_the_stack(stack, workspace, monkeypatch, retry_s: int):
 
 
 def _updates(first: int, last: int) -> None:
-    from tasks.common.stage_tracking import stage_tracker
+    from tasks.tracking.stage_tracking import stage_tracker
 
     for step in range(first, last + 1):
         stage_tracker().log_metrics({"objective/kl": step / 100, "objective/scores": step / 10}, step)
@@ -423,7 +423,7 @@ def _updates(first: int, last: int) -> None:
 
 def _outage_reached_the_queue() -> None:
     """Until the stage's queue has met the outage (a send failed): structural, not a log line or a clock."""
-    from tasks.common.stage_tracking import current_stage_run
+    from tasks.tracking.stage_tracking import current_stage_run
 
     sender, give_up = current_stage_run().tracker._sender, time.monotonic() + 300
     while sender._down_since is None:
@@ -433,7 +433,7 @@ def _outage_reached_the_queue() -> None:
 
 def _all_sent() -> None:
     """Until the stage's queue is empty (what it logged is on the server)."""
-    from tasks.common.stage_tracking import current_stage_run
+    from tasks.tracking.stage_tracking import current_stage_run
 
     sender, give_up = current_stage_run().tracker._sender, time.monotonic() + 300
     while sender._queue or sender._busy:
@@ -455,9 +455,9 @@ def test_postgres_down_under_mlflow_while_a_stage_runs(stack, workspace, monkeyp
     write (each metric batch whole or absent, the run not FINISHED); once it is back the rerun sends everything."""
     from mlflow import MlflowClient
 
-    from tasks.common.mlflow_tracker import TrackingUnavailable
-    from tasks.common.params import load_params
-    from tasks.common.stage_tracking import current_stage_run, track_stage
+    from tasks.parameters.params import load_params
+    from tasks.tracking.mlflow_tracker import TrackingUnavailable
+    from tasks.tracking.stage_tracking import current_stage_run, track_stage
 
     root, env = workspace, stack["env"]
     _stage_on_the_stack(stack, root, monkeypatch, retry_s=600)

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from flows.servers import ServerUnreachable, check_mlflow, check_prefect, check_servers, redact
-from tasks.common.launcher import free_port
-from tasks.common.mlflow_tracker import MlflowTracker
+from tasks.execution.launcher import free_port
+from tasks.tracking.mlflow_tracker import MlflowTracker
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -157,7 +157,7 @@ def test_metrics_survive_a_tracking_server_that_drops_and_comes_back(tracking_se
 
 
 def test_outage_lines_carry_no_credentials():
-    from tasks.common.mlflow_tracker import _describe
+    from tasks.tracking.mlflow_tracker import _describe
 
     err = ConnectionError("API request to http://alice:s3cret@127.0.0.1:5000/api/2.0/mlflow/runs/log-batch failed\nmore")
     assert _describe(err) == ("ConnectionError: API request to http://127.0.0.1:5000/api/2.0/mlflow/runs/log-batch "
@@ -166,7 +166,7 @@ def test_outage_lines_carry_no_credentials():
 
 def test_a_server_that_never_comes_back_fails_the_close_naming_what_was_not_sent(tracking_server, fast_client,
                                                                                  monkeypatch):
-    from tasks.common.mlflow_tracker import TrackingUnavailable
+    from tasks.tracking.mlflow_tracker import TrackingUnavailable
 
     client, run_id = _new_run(tracking_server.url)
     monkeypatch.setenv("RLHF_MLFLOW_RETRY_S", "2")
@@ -210,7 +210,7 @@ def _evaluate_stand_in(root: Path, outage=None):
 
 
 def _stage_runs(client, name: str) -> list:
-    from tasks.common.mlflow_store import experiment_id
+    from tasks.tracking.mlflow_store import experiment_id
 
     return client.search_runs([experiment_id(client)], f"tags.`rlhf.stage` = '{name}'")
 
@@ -218,9 +218,9 @@ def _stage_runs(client, name: str) -> list:
 def test_a_stage_ending_while_the_server_is_down_loses_nothing(served_workspace, tracking_server, caplog):
     """The server goes down as the stage ends and comes back a few seconds later: its params, result, artifacts,
     table and FINISHED status all arrive (all queued, retried, and waited for before the stage returns)."""
-    from tasks.common.mlflow_store import get_client
-    from tasks.common.params import load_params
-    from tasks.common.stage_tracking import track_stage
+    from tasks.parameters.params import load_params
+    from tasks.tracking.mlflow_store import get_client
+    from tasks.tracking.stage_tracking import track_stage
 
     root = served_workspace
     begin, comeback = tracking_server.outage(3.0)  # a restart 3 s after the stop, not a timing assertion
@@ -240,11 +240,11 @@ def test_a_stage_ending_while_the_server_is_down_loses_nothing(served_workspace,
 
 def test_a_stage_whose_server_never_comes_back_fails_naming_it_and_reruns_without_loss(
         served_workspace, tracking_server, monkeypatch):
-    from tasks.common.mlflow_store import get_client
-    from tasks.common.mlflow_tracker import TrackingUnavailable
-    from tasks.common.params import load_params
-    from tasks.common.stage_tracking import track_stage
-    from tasks.common.transient import transient_cause
+    from tasks.execution.transient import transient_cause
+    from tasks.parameters.params import load_params
+    from tasks.tracking.mlflow_store import get_client
+    from tasks.tracking.mlflow_tracker import TrackingUnavailable
+    from tasks.tracking.stage_tracking import track_stage
 
     root = served_workspace
     monkeypatch.setenv("RLHF_MLFLOW_RETRY_S", "3")
@@ -270,7 +270,7 @@ def test_calls_that_must_happen_now_wait_for_a_restarting_server(tracking_server
     it answers; a server that never does fails naming itself and the call."""
     from mlflow import MlflowClient
 
-    from tasks.common.mlflow_tracker import RetryingClient, TrackingUnavailable
+    from tasks.tracking.mlflow_tracker import RetryingClient, TrackingUnavailable
 
     client = RetryingClient(MlflowClient(tracking_server.url), tracking_server.url)
     name = f"policy-{time.monotonic_ns()}"
@@ -299,9 +299,9 @@ def test_a_creation_whose_reply_is_lost_is_made_once(tracking_server, fast_clien
     what the lost try made instead of failing on RESOURCE_ALREADY_EXISTS or making a second one."""
     from mlflow import MlflowClient
 
-    from tasks.common.mlflow_tracker import RetryingClient
-    from tasks.common.stage_tracking import MlflowStageRun
     from tasks.stages.register import log_policy
+    from tasks.tracking.mlflow_tracker import RetryingClient
+    from tasks.tracking.stage_tracking import MlflowStageRun
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", CLIENT_TIMEOUT_S)
     plain, url = MlflowClient(tracking_server.url), tracking_server.url
@@ -328,8 +328,8 @@ def test_a_creation_whose_reply_is_lost_is_made_once(tracking_server, fast_clien
 
 def test_a_local_store_is_written_in_line(mlflow_root):
     """The local sqlite path is unchanged: no thread, each flush written before log_metrics returns."""
-    from tasks.common.mlflow_store import get_client
-    from tasks.common.stage_tracking import MlflowStageRun
+    from tasks.tracking.mlflow_store import get_client
+    from tasks.tracking.stage_tracking import MlflowStageRun
 
     client = get_client(mlflow_root)
     run_id = client.create_run(client.create_experiment("local")).info.run_id
@@ -372,7 +372,7 @@ def test_the_flow_fails_before_any_stage_when_its_tracking_server_is_down(worksp
     """Inside the flow (a worker's run, where `rlhf run` did not check): the MLflow pipeline run is opened before
     the first stage, and a dead server fails it there, quickly, as a TrackingError the flow reports."""
     from flows.pipeline_run import start_pipeline_run
-    from tasks.common.mlflow_store import TrackingError
+    from tasks.tracking.mlflow_store import TrackingError
 
     url = _closed_port_url()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)

@@ -1,4 +1,4 @@
-"""`rlhf sweep` (flows/sweep.py) and the reward–KL frontier (tasks/common/frontier.py).
+"""`rlhf sweep` (flows/sweep.py) and the reward–KL frontier (tasks/reports/frontier.py).
 
 The arithmetic on known curves; the grid's errors before anything runs; and the real CLI on the shrunken world
 in a fresh git + DVC repo, killed with SIGKILL in the middle of its second point, then rerun: the finished point
@@ -22,7 +22,7 @@ import yaml
 from test_flow import base_env, pipeline_repo, processes_in  # noqa: F401 (a fixture)
 
 from flows.sweep import GridError, parse_grid, plan, sweep_key
-from tasks.common.frontier import candidates, fit_gao, frontier, frontier_figure, gao_curve, gate_pick
+from tasks.reports.frontier import candidates, fit_gao, frontier, frontier_figure, gao_curve, gate_pick
 
 BIN = Path(sys.executable).parent
 
@@ -142,7 +142,7 @@ def test_the_figure_shows_every_point_where_a_reader_can_tell_them_apart_and_the
     it, with nothing drawn over it, and a budget far beyond them is not drawn."""
     from matplotlib.axes import Axes
 
-    from tasks.common.plots import plt
+    from tasks.reports.plots import plt
 
     crowded = [_point([f"train.kl_coef={c}", f"train.algo={a}"], a, 0, gold, rm, kl) for c, a, gold, rm, kl in (
         (0.3, "ppo", 0.503, 1.783, 1.43), (0.15, "ppo", 0.517, 1.827, 1.81), (0.02, "ppo", 0.493, 1.855, 2.37),

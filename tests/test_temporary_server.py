@@ -89,7 +89,7 @@ def test_the_view_at_link_of_a_run_on_the_temporary_server_answers_with_the_ui(t
 
 
 def test_the_summary_says_how_to_see_a_run_of_the_temporary_server_again(monkeypatch):
-    from tasks.common.progress import prefect_ui_hint
+    from tasks.tracking.progress import prefect_ui_hint
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", "/ws/.prefect")

@@ -21,7 +21,7 @@ from rlhf_core.threads import (
     threads_per_process,
     usable_cores,
 )
-from tasks.common.launcher import run_launched
+from tasks.execution.launcher import run_launched
 
 # a child that reports the threads it would take and the torch count it set
 REPORT = ("import json, os, sys, torch; from rlhf_core.threads import fit_threads; "

@@ -14,7 +14,7 @@ from rlhf_core.config import RLConfig
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
 from rlhf_core.trace import trace_due, trace_update
-from tasks.common.params import Params
+from tasks.parameters.params import Params
 from tasks.stages.train import _prune_traces, _trace_writer
 
 SMALL = dict(total_episodes=32, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_epochs=1,

@@ -1,4 +1,4 @@
-"""Which failures count as transient (tasks/common/transient.py), on real failures of real clients: requests and
+"""Which failures count as transient (tasks/execution/transient.py), on real failures of real clients: requests and
 MLflow's client against a closed port and against a loopback HTTP server answering with error statuses."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from tasks.common.transient import transient_cause
+from tasks.execution.transient import transient_cause
 
 
 def closed_port() -> int:

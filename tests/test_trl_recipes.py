@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from rlhf_core.config import PeftOptions, RLConfig
-from tasks.common.params import ParamsError, load_params
+from tasks.parameters.params import ParamsError, load_params
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -289,7 +289,7 @@ def test_trl_ppo_mini_batches_as_accelerate_steps_them(params_dir, P, G, M):
     import torch
     from accelerate import Accelerator
 
-    from tasks.common.trl_recipe import convert
+    from tasks.from_trl.recipe import convert
 
     epochs, updates = 2, 2
     accelerator = Accelerator(gradient_accumulation_steps=G, cpu=True)
@@ -325,7 +325,7 @@ def test_trl_ppo_mini_batches_as_accelerate_steps_them(params_dir, P, G, M):
 
 
 def test_every_key_of_the_recipe_is_accounted_for(params_dir):
-    from tasks.common.trl_recipe import convert, report_lines
+    from tasks.from_trl.recipe import convert, report_lines
 
     recipe = {**yaml.safe_load((RECIPES / "ppo_tldr.yaml").read_text()),
               "adam_beta1": 0.8, "stop_token_id": 7, "neftune_noise_alpha": 5.0,  # change training, no equivalent
@@ -383,7 +383,7 @@ def test_the_default_tables_are_trl_1_9s():
     from trl import ModelConfig, RLOOConfig
     from trl.experimental.ppo import PPOConfig
 
-    from tasks.common import trl_fields
+    from tasks.from_trl import fields as trl_fields
 
     def defaults(cls):
         return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
@@ -454,7 +454,7 @@ def trl116(tmp_path_factory) -> dict:
 
 
 def test_the_grpo_default_tables_are_trl_1_16s(trl116):
-    from tasks.common import trl_fields
+    from tasks.from_trl import fields as trl_fields
 
     real = trl116["grpo"]
     for key, value in trl_fields.GRPO_FIELDS.items():
@@ -542,7 +542,7 @@ def test_a_grpo_option_we_do_not_implement_fails_naming_the_key(params_dir, key,
 
 
 def test_grpo_options_at_trls_defaults_are_accounted_for(params_dir):
-    from tasks.common.trl_recipe import convert, report_lines
+    from tasks.from_trl.recipe import convert, report_lines
 
     recipe = {**yaml.safe_load((RECIPES / "grpo_tldr.yaml").read_text()), "entropy_coef": 0.0,
               "multi_objective_aggregation": "sum_then_normalize", "vllm_importance_sampling_correction": True,
@@ -560,7 +560,7 @@ def test_grpo_options_at_trls_defaults_are_accounted_for(params_dir):
 @pytest.mark.parametrize("algo", [None, "rloo", "grpo"])
 def test_fields_rloo_and_grpo_share_need_the_trainer_named(algo):
     """RLOOConfig and GRPOConfig share num_generations, beta, ... with other defaults: never guessed."""
-    from tasks.common.trl_recipe import RecipeError, convert
+    from tasks.from_trl.recipe import RecipeError, convert
 
     recipe = {"model_name_or_path": "m", "num_generations": 4, "per_device_train_batch_size": 8, "max_steps": 10}
     if algo is None:

@@ -17,7 +17,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.common.params import ParamsError, load_params
+from tasks.parameters.params import ParamsError, load_params
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ def trusting(tmp_path):
 
 def test_a_reward_function_outside_the_trusted_modules_is_refused_before_any_import(tmp_path):
     """The issue's own case: Python's `this` (it prints the Zen of Python on import) named by an override."""
-    code = ("import sys\nfrom tasks.common.params import ParamsError, load_params\ntry:\n"
+    code = ("import sys\nfrom tasks.parameters.params import ParamsError, load_params\ntry:\n"
             "    load_params('.', None, ['train.reward_funcs=[{\"function\": \"this:s\"}]'])\n"
             "except ParamsError as err:\n    print('REFUSED', err)\nprint('IMPORTED' if 'this' in sys.modules else 'NOT IMPORTED')\n")
     (tmp_path / "params.yaml").write_text("base: {seed: 0}\n")
@@ -106,28 +106,28 @@ imported_run = subprocess.run  # a name this module imported, under another name
 
 
 def _reward_funcs(function: str, modules: list[str]):
-    from tasks.common.params import Params
+    from tasks.parameters.params import Params
 
     return Params.model_validate({"trust": {"reward_modules": modules},
                                   "train": {"reward_funcs": [{"function": function}]}})
 
 
 def test_a_reward_function_is_one_defined_at_module_level_in_an_allowed_module(trusting):
-    """The issue's case: with trust.reward_modules [tasks], `tasks.common.launcher:subprocess.run` reached the
+    """The issue's case: with trust.reward_modules [tasks], `tasks.execution.launcher:subprocess.run` reached the
     subprocess module that launcher imported. Now the object named must be defined, at module level, in the module
     the path names (its own __module__ and __qualname__), so an allowed module lends nothing it imported."""
     from pydantic import ValidationError
 
     workspace, _ = trusting
     (workspace / "params.yaml").write_text(yaml.safe_dump({"trust": {"reward_modules": ["tasks", "test_trust"]}}))
-    for function in ("tasks.common.launcher:is_main_process", "test_trust:own_reward"):
+    for function in ("tasks.execution.launcher:is_main_process", "test_trust:own_reward"):
         [source] = load_params(workspace, None, [f'train.reward_funcs=[{{"function": "{function}"}}]']).train.reward_funcs
         assert source.function == function
-    refused = {"tasks.common.launcher:subprocess.run": "one name after the colon, no attribute path",
-               "tasks.common.launcher:os.system": "one name after the colon, no attribute path",
-               "tasks.common.launcher:Path": "tasks.common.launcher.Path is pathlib:Path, not a function defined at "
-                                            "module level in 'tasks.common.launcher'",
-               "tasks.common.launcher:subprocess": "'subprocess' is a module, not callable",
+    refused = {"tasks.execution.launcher:subprocess.run": "one name after the colon, no attribute path",
+               "tasks.execution.launcher:os.system": "one name after the colon, no attribute path",
+               "tasks.execution.launcher:Path": "tasks.execution.launcher.Path is pathlib:Path, not a function defined at "
+                                            "module level in 'tasks.execution.launcher'",
+               "tasks.execution.launcher:subprocess": "'subprocess' is a module, not callable",
                "test_trust:imported_run": "test_trust.imported_run is subprocess:run, not a function defined",
                "test_trust:alias_reward": "test_trust.alias_reward is test_trust:own_reward, not a function defined",
                "test_trust:pytest.main": "no attribute path"}
@@ -137,7 +137,7 @@ def test_a_reward_function_is_one_defined_at_module_level_in_an_allowed_module(t
         assert "train.reward_funcs" in str(err.value) and says in str(err.value), (function, str(err.value))
         with pytest.raises(ValidationError, match="train.reward_funcs"):  # the same check where a stage reads params
             _reward_funcs(function, ["tasks", "test_trust"])
-    for function in ("tasks.common.launcher:subprocess.run", "test_trust:imported_run"):
+    for function in ("tasks.execution.launcher:subprocess.run", "test_trust:imported_run"):
         with pytest.raises(ParamsError, match=r"train.reward_funcs\[0\].function: .*; trust.reward_modules "
                                               r"\(\['tasks', 'test_trust'\]\) allows functions defined at module level"):
             load_params(workspace, None, [f'train.reward_funcs=[{{"function": "{function}"}}]'])
@@ -269,7 +269,7 @@ def test_no_generated_path_outside_the_workspace_or_the_trusted_roots_is_accepte
         assert not _inside(value, roots), f"{value} names a file inside {roots} but was refused"
 
 
-MODULES = ["tasks", "tasks.common.launcher", "tasks.common.params", "test_trust", "test_reward_sources", "os",
+MODULES = ["tasks", "tasks.execution.launcher", "tasks.parameters.params", "test_trust", "test_reward_sources", "os",
            "subprocess", "this", "tasks_x", "test_trust_x"]
 
 
@@ -278,7 +278,7 @@ def _names() -> list[str]:
     import importlib
 
     names = {"own_reward", "alias_reward", "imported_run", "words", "system", "run", "s"}
-    for module in ("tasks.common.launcher", "tasks.common.params", "test_trust", "test_reward_sources"):
+    for module in ("tasks.execution.launcher", "tasks.parameters.params", "test_trust", "test_reward_sources"):
         names.update(n for n in dir(importlib.import_module(module)) if not n.startswith("__"))
     return sorted(names)
 

@@ -35,7 +35,7 @@ from test_dvc import sh
 from test_flow import BIN, REPO, STARTUP_S, base_env, free_port, prefect_server, wait_for_deployment
 from test_pipeline import TINY
 
-from tasks.common.params import deep_merge, parse_override
+from tasks.parameters.params import deep_merge, parse_override
 
 try:  # the `ui` extra (make test-ui installs it); `make test` deselects this module
     from selenium import webdriver

@@ -176,7 +176,7 @@ TINY_WORLD = [
 
 
 def test_stage_passes_the_demo_data_and_fails_on_a_leaked_prompt(workspace):
-    from tasks.common.runner import run_stage
+    from tasks.runner import run_stage
 
     shutil.copy(REPO / "params.yaml", workspace / "params.yaml")
     run_stage("prepare", workspace, overrides=TINY_WORLD)

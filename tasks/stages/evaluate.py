@@ -14,12 +14,12 @@ from rlhf_core.jsonio import read_json, read_jsonl, write_json, write_jsonl
 from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
-from tasks.common.datasets import read_split
-from tasks.common.gold_wiring import gold_fn
-from tasks.common.params import Params
-from tasks.common.paths import Paths
-from tasks.common.plots import plot_evaluation
-from tasks.common.progress import count_callback, progress_bar
+from tasks.data.datasets import read_split
+from tasks.demo_world.gold_wiring import gold_fn
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
+from tasks.reports.plots import plot_evaluation
+from tasks.tracking.progress import count_callback, progress_bar
 
 SCORES_FILE = "scores.json"  # in reports/eval/: each prompt's scores, policy and reference (a sweep's bootstrap)
 

@@ -15,10 +15,10 @@ from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.models import load_scorer_model
 from rlhf_core.reward_inspection.report import inspect_reward_model
 from rlhf_core.runtime import Runtime
-from tasks.common.datasets import read_rows
-from tasks.common.errors import StageFailed
-from tasks.common.params import Params
-from tasks.common.paths import Paths
+from tasks.data.datasets import read_rows
+from tasks.execution.errors import StageFailed
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
 
 REPORT_DIR = Path("reports") / "inspection"
 
@@ -43,7 +43,7 @@ def inspect_model(source: str | Path, cfg: InspectionConfig, runtime: Runtime, p
 
 def write_report(report: dict, out: Path) -> None:
     """report.json, summary.md and, when texts were scored, scores.png."""
-    from tasks.common.plots import plot_inspection
+    from tasks.reports.plots import plot_inspection
 
     write_json(out / "report.json", report)
     with atomic_path(out / "summary.md") as tmp:

@@ -1,7 +1,7 @@
 """Stage `prepare`: the canonical datasets and the tokenizer.
 
 Reads the built-in world or real sources (local JSONL / Parquet, saved datasets, hub ids), normalizes
-rows of every layout it reads (tasks/common/layouts.py) to the canonical schema, drops exact duplicates and
+rows of every layout it reads (tasks/data/layouts.py) to the canonical schema, drops exact duplicates and
 over-long rows (counting both), and writes `data/<split>.jsonl` plus `models/tokenizer/`.
 
 Conversational rows (TRL's format) stay messages in `data/`; their token lengths are those of the text the
@@ -20,9 +20,9 @@ from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.sources import load_rows
 from rlhf_core.world.generator import build_world
 from rlhf_core.world.tokenizer import train_tokenizer
-from tasks.common.layouts import normalize
-from tasks.common.params import Params, PrepareParams
-from tasks.common.paths import SPLITS, Paths
+from tasks.data.layouts import normalize
+from tasks.parameters.params import Params, PrepareParams
+from tasks.parameters.paths import SPLITS, Paths
 
 
 def dedupe(rows: Sequence[dict]) -> list[dict]:

@@ -9,7 +9,7 @@ The new version always gets the alias `challenger`. It also becomes `champion` w
    version recorded within the KL budget (so repeated ties cannot ratchet the metric down); with no champion
    yet, it must exceed `register.min_primary`.
 A primary metric or mean_kl that is NaN or infinite never passes: the reason names the metric.
-The decision and its reason are the version's description and `gate.*` tags (tasks/common/registry.py), and in
+The decision and its reason are the version's description and `gate.*` tags (tasks/tracking/registry.py), and in
 metrics/register.json; the stage's run (the version's source run) carries every resolved parameter of the
 pipeline and the evaluation as `eval/*` metrics, so MLflow's version compare shows what differs.
 """
@@ -27,13 +27,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from rlhf_core.jsonio import JsonFileError, read_json, write_json
-from tasks.common.errors import StageFailed
-from tasks.common.lineage import file_md5
-from tasks.common.mlflow_store import is_remote
-from tasks.common.mlflow_tracker import numeric, retrying
-from tasks.common.params import Params, RegisterParams
-from tasks.common.paths import Paths
-from tasks.common.registry import (
+from tasks.execution.errors import StageFailed
+from tasks.execution.transient import redact
+from tasks.parameters.params import Params, RegisterParams
+from tasks.parameters.paths import Paths
+from tasks.tracking.lineage import file_md5
+from tasks.tracking.mlflow_store import is_remote
+from tasks.tracking.mlflow_tracker import numeric, retrying
+from tasks.tracking.registry import (
     BEFORE_TAG,
     CHALLENGER,
     CHAMPION,
@@ -56,8 +57,7 @@ from tasks.common.registry import (
     tag,
     version_of_policy,
 )
-from tasks.common.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
-from tasks.common.transient import redact
+from tasks.tracking.stage_tracking import OVERRIDES_TAG, MlflowStageRun, current_stage_run
 
 HEADLINE = ("win_rate_gold", "win_rate_rm", "mean_kl", "mean_score_gold", "mean_score_rm", "eos_rate", "mean_length")
 

@@ -9,14 +9,14 @@ from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_p
 from rlhf_core.reward_trainer import evaluate_reward_model, train_reward_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.world.generator import misstated_pairs
-from tasks.common.datasets import read_split
-from tasks.common.execution import results
-from tasks.common.gold_wiring import gold_fn
-from tasks.common.model_checks import check_reward_model, check_tokenizers
-from tasks.common.params import Params
-from tasks.common.paths import Paths
-from tasks.common.progress import epoch_callback, progress_bar
-from tasks.common.tiny_models import tiny_reward_model
+from tasks.checks.model_checks import check_reward_model, check_tokenizers
+from tasks.data.datasets import read_split
+from tasks.demo_world.gold_wiring import gold_fn
+from tasks.demo_world.tiny_models import tiny_reward_model
+from tasks.execution.figures import results
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
+from tasks.tracking.progress import epoch_callback, progress_bar
 
 
 def run(params: Params, paths: Paths) -> dict:

@@ -7,13 +7,13 @@ from rlhf_core.jsonio import write_json
 from rlhf_core.models import load_policy, save_model
 from rlhf_core.runtime import Runtime
 from rlhf_core.sft_trainer import evaluate_sft, train_sft
-from tasks.common.datasets import read_split
-from tasks.common.execution import results
-from tasks.common.gold_wiring import gold_fn
-from tasks.common.params import Params
-from tasks.common.paths import Paths
-from tasks.common.progress import epoch_callback, progress_bar
-from tasks.common.tiny_models import tiny_policy
+from tasks.data.datasets import read_split
+from tasks.demo_world.gold_wiring import gold_fn
+from tasks.demo_world.tiny_models import tiny_policy
+from tasks.execution.figures import results
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
+from tasks.tracking.progress import epoch_callback, progress_bar
 
 
 def run(params: Params, paths: Paths) -> dict:

@@ -32,15 +32,15 @@ from rlhf_core.scoring import (
 )
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
-from tasks.common.datasets import read_split
-from tasks.common.errors import StageFailed
-from tasks.common.execution import results
-from tasks.common.gold_wiring import gold_fn
-from tasks.common.model_checks import check_lora_settings, check_reward_model, check_tokenizers
-from tasks.common.params import Params
-from tasks.common.paths import Paths
-from tasks.common.progress import ProgressTracker, progress_bar
-from tasks.common.stage_tracking import stage_tracker
+from tasks.checks.model_checks import check_lora_settings, check_reward_model, check_tokenizers
+from tasks.data.datasets import read_split
+from tasks.demo_world.gold_wiring import gold_fn
+from tasks.execution.errors import StageFailed
+from tasks.execution.figures import results
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
+from tasks.tracking.progress import ProgressTracker, progress_bar
+from tasks.tracking.stage_tracking import stage_tracker
 
 TRACE_DIR = "trace"
 
@@ -97,7 +97,7 @@ def _trace_writer(params: Params, tokenizer, out: Path):
         update = trainer.state.update
         if not trace_due(update, trainer.plan.num_updates, every):
             return
-        from tasks.common.plots import plot_trace
+        from tasks.reports.plots import plot_trace
 
         trace = trace_update(batch, stats, cfg, update=update, decode=tokenizer.decode, rollouts=rollouts)
         write_json(out / f"update-{update:04d}.json", trace)
@@ -220,7 +220,7 @@ def run(params: Params, paths: Paths) -> dict:
     if not main:
         checkpoint = _resumable(paths, fingerprint, main)
     resumed = 0 if checkpoint is None else int(checkpoint.name.split("-")[-1])
-    history_file = paths.train_log  # every figure as logged; metrics/ gets the results (tasks/common/execution.py)
+    history_file = paths.train_log  # every figure as logged; metrics/ gets the results (tasks/execution/figures.py)
     tracker = NullTracker()
     if main:
         _prepare_outputs(paths, resumed)

@@ -1,6 +1,6 @@
 """Stage `validate` and `rlhf validate`: every dataset is checked before any model trains on it.
 
-Each split in data/ is validated with the Great Expectations suite of its kind (tasks/common/gx_suites.py), plus
+Each split in data/ is validated with the Great Expectations suite of its kind (tasks/checks/gx_suites.py), plus
 plain checks for what GX does not express on one frame: values that are not strings, prompts shared between
 train and eval splits, and files that cannot be read at all. The stage writes `reports/validation/report.json`
 (every expectation: column, success, unexpected count, example rows), `reports/validation/summary.md` (each
@@ -8,7 +8,7 @@ failed expectation with example rows) and `metrics/validate.json`, then fails wh
 `dvc repro` never trains on data that failed validation.
 
 `rlhf validate FILE --kind K` checks a source file as it is, in whichever layout `prepare` reads it
-(tasks/common/layouts.py: our columns or their aliases, TRL's `messages`, TRL's implicit-prompt pairs), so a file
+(tasks/data/layouts.py: our columns or their aliases, TRL's `messages`, TRL's implicit-prompt pairs), so a file
 passes here exactly when `prepare` can read it into rows that pass the stage's checks.
 """
 
@@ -24,8 +24,7 @@ import pandas as pd
 from rlhf_core import chat
 from rlhf_core.jsonio import atomic_path, write_json
 from rlhf_core.sources import SourceError, load_rows
-from tasks.common.errors import StageFailed
-from tasks.common.gx_suites import (
+from tasks.checks.gx_suites import (
     LAYOUT_KIND,
     TokenBudget,
     build_suite,
@@ -33,9 +32,10 @@ from tasks.common.gx_suites import (
     run_suites,
     with_token_counts,
 )
-from tasks.common.layouts import EXPLICIT, IMPLICIT, MESSAGES, Layout, detect_layout, explicit_prompt
-from tasks.common.params import Params, ParamsError, load_params
-from tasks.common.paths import SPLITS, Paths
+from tasks.data.layouts import EXPLICIT, IMPLICIT, MESSAGES, Layout, detect_layout, explicit_prompt
+from tasks.execution.errors import StageFailed
+from tasks.parameters.params import Params, ParamsError, load_params
+from tasks.parameters.paths import SPLITS, Paths
 
 SPLIT_KINDS = {"sft": "sft", "prefs": "preferences", "prompts": "prompts"}  # split name prefix -> kind
 REPORT_DIR = "validation"  # under reports/

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from rlhf_core import chat
 from rlhf_core.jsonio import JsonFileError, read_jsonl, require_text
-from tasks.common.params import Params
-from tasks.common.paths import Paths
+from tasks.parameters.params import Params
+from tasks.parameters.paths import Paths
 
 
 def read_rows(path: str | Path, tokenizer, template_kwargs: Mapping | None = None,

@@ -1,5 +1,5 @@
 """How a stage process ended, written for the flow that ran it through DVC: the flow retries a failed stage only
-when this says a retry can fix it (tasks/common/transient.py), never by reading the stage's log.
+when this says a retry can fix it (tasks/execution/transient.py), never by reading the stage's log.
 
 The flow names a file in RLHF_STAGE_OUTCOME. `rlhf stage` writes {"state": "running"} there as it starts, and
 {"state": "done"} or {"state": "failed", "error": ..., "transient": ...} as it ends. A file still "running" after
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rlhf_core.jsonio import read_json_object, write_json
-from tasks.common.launcher import LAUNCHED_ENV
-from tasks.common.transient import transient_cause
+from tasks.execution.launcher import LAUNCHED_ENV
+from tasks.execution.transient import transient_cause
 
 OUTCOME_ENV = "RLHF_STAGE_OUTCOME"
 DIED = "the stage process died without a word (a signal: the OOM killer's SIGKILL, or kill -9)"

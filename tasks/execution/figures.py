@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlhf_core.jsonio import write_json
-from tasks.common.paths import Paths
+from tasks.parameters.paths import Paths
 
 EXECUTION_KEYS = frozenset({"eps", "train_seconds", "stage_seconds", "resumed_from_update", "threads"})
 EXECUTION_PREFIXES = ("time/", "gpu/")

@@ -1,12 +1,12 @@
 """The code each stage runs, found from its imports: the code deps that dvc.yaml lists for it.
 
-`rlhf stage NAME` runs tasks/common/runner.py and the stage's module, and through them every module of this
+`rlhf stage NAME` runs tasks/runner.py and the stage's module, and through them every module of this
 project they import, at module level or inside a function, and the packages around them. Listed by hand,
 these deps went stale (a stage that imported a module dvc.yaml did not name kept its old metrics after that
 module changed), so they are generated from the source and checked by a test:
 
-    python -m tasks.common.code_deps           # exit status 1 and the differences when dvc.yaml is stale
-    python -m tasks.common.code_deps --write   # rewrite the code deps of every stage (`make dvc-deps`)
+    python -m tasks.dag.code_deps           # exit status 1 and the differences when dvc.yaml is stale
+    python -m tasks.dag.code_deps --write   # rewrite the code deps of every stage (`make dvc-deps`)
 
 Code deps are the .py files under the project's packages; data and model deps are left as written.
 """
@@ -19,11 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from rlhf_core.jsonio import atomic_path
-from tasks.stages import STAGES
+from tasks.dag.stage_modules import STAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("rlhf_core", "tasks")  # what a stage may import of this project (flows and cli sit above it)
-RUNNER = "tasks.common.runner"  # what `rlhf stage NAME` runs around the stage's module
+RUNNER = "tasks.runner"  # what `rlhf stage NAME` runs around the stage's module
 
 
 def module_file(name: str, root: Path = ROOT) -> Path | None:
@@ -86,7 +86,7 @@ def is_code_dep(dep: str) -> bool:
 
 def stale(dvc_yaml: Path = ROOT / "dvc.yaml") -> dict[str, tuple[list[str], list[str]]]:
     """Stages whose code deps in dvc.yaml differ from their imports: stage -> (missing, extra)."""
-    from tasks.common.dvc_yaml import entry_paths, load_stages
+    from tasks.dag.dvc_yaml import entry_paths, load_stages
 
     out = {}
     for name, stage in load_stages(dvc_yaml).items():
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
     for name, (missing, extra) in problems.items():
         print(f"stage {name}: missing {missing or '-'}; not imported {extra or '-'}")
     if problems:
-        print("dvc.yaml code deps are stale: run `make dvc-deps` (python -m tasks.common.code_deps --write)")
+        print("dvc.yaml code deps are stale: run `make dvc-deps` (python -m tasks.dag.code_deps --write)")
     return 1 if problems else 0
 
 

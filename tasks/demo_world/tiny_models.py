@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
-from tasks.common.params import Params
+from tasks.parameters.params import Params
 
 
 def _tiny_config(params: Params, tokenizer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rlhf_core.scoring import GoldFn
 from rlhf_core.world.gold import gold_reward
-from tasks.common.params import Params
+from tasks.parameters.params import Params
 
 
 def gold_fn(params: Params) -> GoldFn | None:

@@ -21,7 +21,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from tasks.common.errors import StageFailed
+from tasks.execution.errors import StageFailed
 
 log = logging.getLogger(__name__)
 

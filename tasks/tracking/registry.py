@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.common.mlflow_store import get_client, tracking_uri
+from tasks.tracking.mlflow_store import get_client, tracking_uri
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 # md5 of the models/policy directory the version was logged from, and of the metrics/eval.json it was gated on

@@ -230,7 +230,7 @@ def prefect_ui_hint(flow_run_id: str | None) -> str:
 def mlflow_ui_hint(root: Path, uri: str, run_id: str) -> list[str]:
     """Lines saying where to see the run in MLflow: how to serve a local store, then the experiment's runs
     table and the run's page (links that open MLflow's machine-learning view, not its GenAI overview)."""
-    from tasks.common.mlflow_store import experiment_url, get_client, is_remote, run_page_url
+    from tasks.tracking.mlflow_store import experiment_url, get_client, is_remote, run_page_url
 
     try:
         exp = get_client(root).get_run(run_id).info.experiment_id

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tasks.common.errors import StageFailed
+from tasks.execution.errors import StageFailed
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
@@ -84,7 +84,7 @@ def check_lora_settings(params, root: str | os.PathLike = ".", *, planned: bool 
     if not params.train.use_peft:
         return
     from rlhf_core.lora import LoraSettingError, check_lora
-    from tasks.common.params import ParamsError
+    from tasks.parameters.params import ParamsError
 
     config = _planned_policy_config(params) if planned else _config_of(Path(root) / "models" / "sft")
     if config is None:

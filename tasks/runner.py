@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_core.threads import fit_threads
-from tasks.common.execution import write_execution
-from tasks.common.launcher import LAUNCHED_ENV, is_main_process
-from tasks.common.params import load_params
-from tasks.common.paths import Paths
-from tasks.common.stage_tracking import track_stage
-from tasks.stages import STAGES
+from tasks.dag.stage_modules import STAGES
+from tasks.execution.figures import write_execution
+from tasks.execution.launcher import LAUNCHED_ENV, is_main_process
+from tasks.parameters.params import load_params
+from tasks.parameters.paths import Paths
+from tasks.tracking.stage_tracking import track_stage
 
 
 class UnknownStage(ValueError):

@@ -1,4 +1,4 @@
-"""TRL's script fields as `rlhf from-trl` reads them (tasks/common/trl_recipe.py): the defaults of the fields it maps
+"""TRL's script fields as `rlhf from-trl` reads them (tasks/from_trl/recipe.py): the defaults of the fields it maps
 or weighs, the fields with no effect on the trained policy here, and why the rest cannot be carried over.
 
 PPO and RLOO: TRL 1.9.0's dataclasses under transformers 5 (TrainingArguments with TRL's overrides, experimental

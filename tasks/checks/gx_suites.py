@@ -1,7 +1,7 @@
 """Great Expectations suites for the three dataset kinds in each layout `prepare` reads, and their results as plain
 report entries.
 
-A suite is a list of GX expectations built from the layout (tasks/common/layouts.py: our columns or their aliases,
+A suite is a list of GX expectations built from the layout (tasks/data/layouts.py: our columns or their aliases,
 TRL's `messages`, TRL's implicit-prompt pairs), the columns the frame has and the token budgets; it names the
 file's own columns.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from tasks.common.layouts import EXPLICIT, IMPLICIT, MESSAGES, SCHEMA, Layout
+from tasks.data.layouts import EXPLICIT, IMPLICIT, MESSAGES, SCHEMA, Layout
 
 KINDS = ("prompts", "sft", "preferences")
 LAYOUT_KIND = {"prompts": "prompts", "sft": "sft", "preferences": "prefs"}  # validate's kind -> prepare's
@@ -67,7 +67,7 @@ def with_token_counts(frame: pd.DataFrame, texts: Mapping[str, Sequence[str | No
 
 
 def build_suite(layout: Layout, frame: pd.DataFrame, budget: TokenBudget) -> list:
-    """The expectations for a frame of this layout (tasks/common/layouts.py); each carries a readable description
+    """The expectations for a frame of this layout (tasks/data/layouts.py); each carries a readable description
     naming the file's own columns."""
     assert layout.kind in LAYOUT_KIND.values(), f"unknown kind {layout.kind!r}"
     build = {EXPLICIT: _explicit_suite, MESSAGES: _messages_suite, IMPLICIT: _implicit_suite}[layout.name]

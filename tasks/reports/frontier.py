@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.common.frontier_uncertainty import (
+from tasks.reports.frontier_uncertainty import (
     KL_KEY,
     LEVEL,
     N_BOOT,
@@ -185,7 +185,7 @@ def _intervals(reps: dict | None, level: float) -> dict:
 
 def plot_frontier(report: dict, target: Path) -> None:
     """The frontier as a PNG (`frontier_figure`)."""
-    from tasks.common.plots import _save
+    from tasks.reports.plots import _save
 
     _save(frontier_figure(report), target)
 
@@ -195,7 +195,7 @@ def frontier_figure(report: dict):
     al. fit of the gold curve and the gate's pick. Where the measured points sit close together next to the SFT
     reference's (0, 0), an inset zooms onto them, each algorithm's points joined in order of drift: the turn
     (reward model still rising, gold falling) can be a few hundredths wide."""
-    from tasks.common.plots import plt
+    from tasks.reports.plots import plt
 
     has_gold = any(p["gold_gain"] is not None for p in report["points"])
     fig, axes = plt.subplots(1, 2 if has_gold else 1, figsize=(11 if has_gold else 5.5, 4.6), squeeze=False)

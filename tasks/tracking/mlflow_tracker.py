@@ -2,7 +2,7 @@
 tags, artifacts, tables, the run's end.
 
 Against a tracking server (http) every write goes into one ordered queue that a background thread sends, each
-call retried until it gets through while its failure is transient (tasks/common/transient.py: connection
+call retried until it gets through while its failure is transient (tasks/execution/transient.py: connection
 refused, timeout, HTTP 5xx): training never waits on the network, and a server that drops for a while (a restart,
 a network blip, its database down) loses nothing. `close()` waits for the queue to drain for up to
 RLHF_MLFLOW_RETRY_S seconds (default 600) and then raises `TrackingUnavailable`, naming the server and each write
@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tasks.common.mlflow_store import TrackingError
-from tasks.common.params import flatten
-from tasks.common.transient import Transient, transient_cause
+from tasks.execution.transient import Transient, transient_cause
+from tasks.parameters.params import flatten
+from tasks.tracking.mlflow_store import TrackingError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ its reward, KL and length charts vanish and only the PNGs show. `.dvc/config` po
 
 Regenerate after upgrading vl-convert-python (tests/test_dvc.py checks the committed file is current):
 
-    python -m tasks.common.offline_plots
+    python -m tasks.reports.offline_plots
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ PAGE = """<!DOCTYPE html>
     <meta charset="utf-8">
     <title>DVC Plot</title>
     <!-- Vega @VEGA@, Vega-Lite @VEGA_LITE@, Vega-Embed @VEGA_EMBED@ (BSD-3-Clause, vega.github.io), inlined by
-         tasks/common/offline_plots.py from vl-convert-python @VL_CONVERT@ so the page needs no network -->
+         tasks/reports/offline_plots.py from vl-convert-python @VL_CONVERT@ so the page needs no network -->
     <script type="text/javascript">
 @BUNDLE@
     </script>

@@ -37,8 +37,7 @@ from typing import Any
 import yaml
 
 from rlhf_core.config import TRL_GRPO_UNSUPPORTED, BatchPlan, GRPOOptions
-from tasks.common.params import PARAMS_FILE, Params, ParamsError, deep_merge
-from tasks.common.trl_fields import (
+from tasks.from_trl.fields import (
     BOOKKEEPING,
     GRPO_FIELDS,
     GRPO_TRL_VERSION,
@@ -50,6 +49,7 @@ from tasks.common.trl_fields import (
     TRL_VERSION,
     UNSUPPORTED_WHY,
 )
+from tasks.parameters.params import PARAMS_FILE, Params, ParamsError, deep_merge
 
 PPO_ONLY = set(PPO_FIELDS) - set(RLOO_FIELDS) - set(GRPO_FIELDS) - {"temperature"}
 RLOO_ONLY = set(RLOO_FIELDS) - set(PPO_FIELDS) - set(GRPO_FIELDS)  # normalize_advantages, reward_clip_range

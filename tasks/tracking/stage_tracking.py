@@ -1,7 +1,7 @@
 """The MLflow run of one stage: opened before the stage with its params and lineage tags, closed after it
 with its metrics, reports and dvc.lock (FAILED, with the traceback, when the stage raises).
 
-On a tracking server nothing is lost to an outage (tasks/common/mlflow_tracker.py): opening the run is retried
+On a tracking server nothing is lost to an outage (tasks/tracking/mlflow_tracker.py): opening the run is retried
 until the server answers, every later write is queued and retried, and the run is closed only when the server
 has taken them all, else the stage fails naming what was not sent (TrackingUnavailable) or what it refused
 (TrackingRefused). On a GPU machine the system metrics go through the same queue (SystemMetrics).
@@ -28,9 +28,10 @@ from typing import Any
 from rlhf_core import chat
 from rlhf_core.jsonio import read_jsonl
 from rlhf_core.tracking import FanOutTracker, Tracker
-from tasks.common.dvc_yaml import entry_paths, stage_entry
-from tasks.common.lineage import data_hashes, lineage_tags
-from tasks.common.mlflow_store import (
+from tasks.dag.dvc_yaml import entry_paths, stage_entry
+from tasks.execution.transient import redact
+from tasks.tracking.lineage import data_hashes, lineage_tags
+from tasks.tracking.mlflow_store import (
     PARENT_RUN_ENV,
     TRACKING_ENV,
     TrackingError,
@@ -46,8 +47,7 @@ from tasks.common.mlflow_store import (
     tracking_uri,
     unique_run_name,
 )
-from tasks.common.mlflow_tracker import MlflowTracker, RetryingClient, TrackingUnavailable, numeric
-from tasks.common.transient import redact
+from tasks.tracking.mlflow_tracker import MlflowTracker, RetryingClient, TrackingUnavailable, numeric
 
 log = logging.getLogger(__name__)
 

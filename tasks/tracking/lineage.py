@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 from rlhf_core.jsonio import read_json_object
-from tasks.common.dvc_yaml import entry_paths, stage_entry
-from tasks.common.params import PARAMS_FILE, RUN_PARAMS_NOTE
+from tasks.dag.dvc_yaml import entry_paths, stage_entry
+from tasks.parameters.params import PARAMS_FILE, RUN_PARAMS_NOTE
 
 
 def file_md5(path: Path) -> str:

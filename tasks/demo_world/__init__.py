@@ -1,0 +1,1 @@
+"""The built-in demo world's wiring: its tiny models and its gold reward."""
