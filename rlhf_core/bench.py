@@ -24,6 +24,7 @@ from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.rollout import last_layer_mlp
+from rlhf_core.rollout_maker import sampling_logprobs_exact
 from rlhf_core.scoring import RewardModelScorer
 
 VOCAB_SIZE, PROMPTS, PROMPT_LENGTH, EPISODES_PER_UPDATE = 2048, 512, 48, 64
@@ -105,7 +106,7 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
 
     generation = forward(policy, n * P + B * (R - 1), n + B * (R - 1), lm_head=True)  # n = B when k is 1
     policy_forward = logprob_forward(trainer.share_prompts)
-    rollout_policy = 0 if trainer._sampling_logprobs_exact else policy_forward
+    rollout_policy = 0 if sampling_logprobs_exact(trainer.accelerator, policy) else policy_forward
     reference_forward = logprob_forward(k > 1) if cfg.uses_reference else 0  # shares prompts that are shared
     value_forward = 0 if value is None else forward(value, B * (P + R), B * (R + 1))
     reward = getattr(trainer.scorer, "model", None)

@@ -88,6 +88,6 @@ def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[st
             "val/clipfrac_avg": vf_clipfrac,
             "val/ratio": ops.masked_mean(logratio.exp(), mask),
         }
-        if out.entropy is not None:  # measured in the first epoch only (RLTrainer.optimize)
+        if out.entropy is not None:  # measured in the first epoch only (rl_update.optimize)
             stats["policy/entropy_avg"] = ops.masked_mean(out.entropy, mask)
     return pg_loss + cfg.ppo.vf_coef * vf_loss, stats

@@ -111,6 +111,6 @@ def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[st
             "loss/policy_avg": pg_loss.detach(),
             "val/ratio": ops.masked_mean(logratio.exp(), unit_mask),
         }
-        if out.entropy is not None:  # measured in the first epoch only (RLTrainer.optimize)
+        if out.entropy is not None:  # measured in the first epoch only (rl_update.optimize)
             stats["policy/entropy_avg"] = ops.masked_mean(out.entropy, mask)
     return pg_loss, stats

@@ -149,3 +149,12 @@ class WeightedScorer:
 
     def __call__(self, batch: Rollout) -> Tensor:
         return self.combine(self.by_source(batch))
+
+
+def scores_by_source(scorer: Scorer, batch: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+    """`scorer`'s (B,) float32 scores of `batch`, and a `WeightedScorer`'s unweighted (B,) scores by source name
+    (empty for any other scorer), which the trainer logs as rewards/<name>/mean and /std."""
+    if not isinstance(scorer, WeightedScorer):
+        return scorer(batch).to(batch.queries.device).float(), {}
+    by_source = scorer.by_source(batch)
+    return scorer.combine(by_source).to(batch.queries.device).float(), by_source
