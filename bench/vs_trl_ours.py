@@ -22,6 +22,7 @@ from rlhf_core.bench import median_phases, peak_matmul_flops, update_flops
 from rlhf_core.config import RLConfig, RuntimeConfig
 from rlhf_core.models import load_policy, load_scorer_model
 from rlhf_core.rl_trainer import RLTrainer
+from rlhf_core.rollout_maker import use_decode_graphs
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import RewardModelScorer
 
@@ -82,7 +83,7 @@ def run(spec: dict, cfg: RLConfig, runtime: Runtime, policy, value, reference, r
     history = trainer.train()
     steady = history[spec["warmup_updates"]:]
     result = {"side": "ours" if cfg.decode_graphs == "off" else "ours_graphs", "algo": cfg.algo,
-              "decode_graphs": cfg.decode_graphs, "decode_graphs_used": trainer._decode_graphs,
+              "decode_graphs": cfg.decode_graphs, "decode_graphs_used": use_decode_graphs(cfg, trainer.unwrapped.policy),
               "update_ends": ends, "episodes_per_update": spec["episodes_per_update"],
               "mixed_precision": runtime.accelerator.mixed_precision,
               "distributed_type": runtime.accelerator.distributed_type.value,

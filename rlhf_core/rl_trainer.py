@@ -4,8 +4,6 @@
 returns. The phases live where a reader can open them: rollout_maker.py (sampling), scoring.py, the algorithm
 (ppo.py / rloo.py / grpo.py: advantages, loss, loss units, whether a value model is trained), rl_update.py (the
 optimizer steps), checkpoint.py and guards.py. Distribution, mixed precision and DeepSpeed come from accelerate.
-tasks/ and tests/ import TrainingDiverged, out_of_bounds, CheckpointNotSaved, list_checkpoints and REFERENCE_FILE
-from here, re-exported.
 """
 
 from __future__ import annotations
@@ -24,15 +22,15 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 
 from rlhf_core import checkpoint, grpo, ops, ppo, rloo
-from rlhf_core.checkpoint import REFERENCE_FILE, CheckpointNotSaved, TrainerState, list_checkpoints  # noqa: F401 (re-exported)
+from rlhf_core.checkpoint import TrainerState
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import PromptSampler
-from rlhf_core.guards import TrainingDiverged, out_of_bounds, stop_if_out_of_bounds  # noqa: F401 (re-exported)
+from rlhf_core.guards import stop_if_out_of_bounds
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import disable_dropout
 from rlhf_core.rl_update import PolicyAndValue, optimize, prepare_for_training
 from rlhf_core.rollout import Rollout, gradient_checkpointing
-from rlhf_core.rollout_maker import RolloutMaker, logprobs_of, sampling_logprobs_exact, use_decode_graphs
+from rlhf_core.rollout_maker import RolloutMaker
 from rlhf_core.runtime import modifiable, whole_weights, zero_stage
 from rlhf_core.scoring import Scorer, scores_by_source
 from rlhf_core.threads import refit_threads
@@ -228,17 +226,3 @@ class RLTrainer:
         """Save the trained policy (with `tokenizer`; and the value model) as safetensors, atomically; every process
         calls it (checkpoint.save_pretrained)."""
         checkpoint.save_pretrained(self.accelerator, self.model, self.unwrapped, policy_dir, tokenizer, value_dir)
-
-    # ------------------------------------------------------------------ what tests/ and bench/vs_trl_ours.py read
-
-    def _logprobs(self, policy: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor], *,
-                  share_prompts: bool = False) -> Tensor:
-        return logprobs_of(policy, parts, self.cfg.temperature, share_prompts=share_prompts)
-
-    @property
-    def _sampling_logprobs_exact(self) -> bool:
-        return sampling_logprobs_exact(self.accelerator, self.unwrapped.policy)
-
-    @property
-    def _decode_graphs(self) -> bool:
-        return use_decode_graphs(self.cfg, self.unwrapped.policy)

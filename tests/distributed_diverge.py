@@ -13,8 +13,9 @@ from accelerate import Accelerator
 
 from rlhf_core.bench import word_tokenizer
 from rlhf_core.config import RLConfig
+from rlhf_core.guards import TrainingDiverged
 from rlhf_core.models import init_causal_lm, tiny_gpt_neox_config
-from rlhf_core.rl_trainer import RLTrainer, TrainingDiverged
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
 
 BAD_UPDATE, UPDATES, BATCH = 3, 5, 8  # BATCH: episodes per update, both ranks together

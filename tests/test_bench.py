@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rlhf_core.bench import build_trainer, matmul_params, peak_matmul_flops, update_flops
 from rlhf_core.models import init_causal_lm, tiny_gpt_neox_config
+from rlhf_core.rollout_maker import sampling_logprobs_exact
 
 
 def test_matmul_params_count_every_linear_and_not_the_input_embedding():
@@ -33,7 +34,7 @@ def test_update_flops_are_what_torch_counts_in_a_real_update(algo):
         trainer.train(max_updates=1)
     counted = sum(flops for op, flops in counter.get_flop_counts()["Global"].items()
                   if str(op).split(".")[1] in ("mm", "addmm", "bmm"))
-    assert trainer._sampling_logprobs_exact, "fp32: the policy's rollout log-probs cost no forward"
+    assert sampling_logprobs_exact(trainer.accelerator, trainer.unwrapped.policy), "fp32: the policy's rollout log-probs cost no forward"
     assert update_flops(trainer, 48) == pytest.approx(counted, rel=2e-3)
 
 

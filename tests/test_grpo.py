@@ -14,8 +14,11 @@ import torch
 
 from conftest import target_fraction
 from rlhf_core import grpo, ops, rloo
+from rlhf_core.checkpoint import list_checkpoints
 from rlhf_core.config import RLConfig
-from rlhf_core.rl_trainer import PolicyAndValue, RLTrainer, TrainingDiverged, list_checkpoints
+from rlhf_core.guards import TrainingDiverged
+from rlhf_core.rl_trainer import RLTrainer
+from rlhf_core.rl_update import PolicyAndValue
 from rlhf_core.rollout import Rollout, response_logits
 from rlhf_core.scoring import FunctionScorer, WeightedScorer
 

@@ -16,7 +16,8 @@ from test_trainer import make_trainer, tiny_config
 from typer.testing import CliRunner
 
 from cli.main import app
-from rlhf_core.rl_trainer import TrainingDiverged, list_checkpoints, out_of_bounds
+from rlhf_core.checkpoint import list_checkpoints
+from rlhf_core.guards import TrainingDiverged, out_of_bounds
 from rlhf_core.tracking import NullTracker
 
 TINY_TRAIN = ["train.total_episodes=64", "train.response_length=8", "train.checkpoint_every=1",

@@ -32,6 +32,7 @@ from rlhf_core.rollout import (
     stop_mask,
     token_values,
 )
+from rlhf_core.rollout_maker import logprobs_of, sampling_logprobs_exact
 from rlhf_core.scoring import FunctionScorer, RewardModelScorer, WeightedScorer, completion_scores
 
 
@@ -130,7 +131,7 @@ def test_rollout_logprobs_match_the_sampling_distribution(make_policy, make_scor
     responses = out.sequences[:, queries.shape[1]:]
     expected = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, responses[..., None]).squeeze(-1)
     parts = (queries, query_mask, responses, torch.ones_like(responses, dtype=torch.bool))
-    torch.testing.assert_close(trainer._logprobs(policy, parts), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logprobs_of(policy, parts, trainer.cfg.temperature), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("response_length", [12, 40])  # 40: every row stops before R, the logits are padded
@@ -148,13 +149,13 @@ def test_fp32_rollout_logprobs_from_the_sampling_logits_equal_a_forward(response
         policy.get_output_embeddings().register_forward_hook(lambda module, args, out: out + eos_bias)
     trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
                         stop_token_id=1)
-    assert trainer._sampling_logprobs_exact
+    assert sampling_logprobs_exact(trainer.accelerator, trainer.unwrapped.policy)
     batch = trainer.rollout(range(4))
     assert batch.contains_stop.any() and (batch.response_lengths < response_length).any()
     if response_length == 40:
         assert batch.contains_stop.all(), "every row stopped: generate returned fewer than R steps"
     parts = (batch.queries, batch.query_mask, batch.responses, batch.response_mask)
-    torch.testing.assert_close(batch.logprobs, trainer._logprobs(trainer.unwrapped.policy, parts), rtol=0,
+    torch.testing.assert_close(batch.logprobs, logprobs_of(trainer.unwrapped.policy, parts, trainer.cfg.temperature), rtol=0,
                                atol=1e-5)
     assert (batch.logprobs[~batch.response_mask] == 0).all()
 

@@ -9,6 +9,7 @@ from test_trainer import tiny_config
 from conftest import target_fraction
 from rlhf_core.config import RuntimeConfig
 from rlhf_core.rl_trainer import RLTrainer
+from rlhf_core.rollout_maker import sampling_logprobs_exact
 from rlhf_core.runtime import Runtime, RuntimeSettingError, adamw, check, check_fp16_loss_scaling
 from rlhf_core.scoring import FunctionScorer
 
@@ -34,7 +35,7 @@ def test_bf16_rollout_and_training_forwards_agree_before_the_first_step(
     value = make_scorer_model(1) if algo == "ppo" else None
     trainer = RLTrainer(cfg, policy, FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
                         stop_token_id=1, value_model=value, ref_policy=reference, accelerator=runtime.accelerator)
-    assert not trainer._sampling_logprobs_exact, "bf16: the rollout recomputes the policy's log-probs"
+    assert not sampling_logprobs_exact(trainer.accelerator, trainer.unwrapped.policy), "bf16: the rollout recomputes the policy's log-probs"
     assert trainer.share_prompts == (algo == "rloo"), "RLOO's shared prompts, in the rollout and training alike"
     [logs] = trainer.train(max_updates=1)
     assert logs["objective/entropy"] < 0.5 * 8, "the sharp policy is nearly deterministic (else the test is weak)"

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB, target_fraction
+from rlhf_core.checkpoint import list_checkpoints
 from rlhf_core.config import RLConfig
-from rlhf_core.rl_trainer import RLTrainer, list_checkpoints
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.scoring import FunctionScorer
 from rlhf_core.tracking import MemoryTracker
 

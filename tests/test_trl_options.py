@@ -13,11 +13,11 @@ from test_trainer import make_trainer, params, tiny_config
 
 from rlhf_core import ops, rloo
 from rlhf_core.batching import pad
+from rlhf_core.checkpoint import REFERENCE_FILE, list_checkpoints
 from rlhf_core.config import RLConfig
 from rlhf_core.data import mini_batch_indices
 from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.metrics import MetricAccumulator
-from rlhf_core.rl_trainer import REFERENCE_FILE, list_checkpoints
 from rlhf_core.rollout import PolicyOutput, response_logits
 
 # ------------------------------------------------------------------ clip-higher

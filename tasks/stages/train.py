@@ -16,11 +16,13 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_core.checkpoint import CheckpointNotSaved, list_checkpoints
+from rlhf_core.guards import TrainingDiverged
 from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json, write_jsonl
 from rlhf_core.lora import save_lora_policy, with_lora
 from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_policy
-from rlhf_core.rl_trainer import CheckpointNotSaved, RLTrainer, TrainingDiverged, list_checkpoints
+from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.runtime import Runtime
 from rlhf_core.scoring import (
     FunctionScorer,
