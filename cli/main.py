@@ -52,7 +52,7 @@ def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to 
     from rlhf_core.bench import run_bench
     from rlhf_core.threads import fit_threads
 
-    fit_threads()
+    fit_threads(adapt=True)  # a speed measurement beside whatever runs now; it writes no result
     result = run_bench(algo.value, updates)
     if as_json:
         typer.echo(json.dumps(result))

@@ -163,6 +163,6 @@ def run_bench(algo: str, updates: int = 5) -> dict:
     return {"algo": algo, "updates": len(history), "episodes": episodes, "train_s": round(train_s, 3),
             "episodes_per_s": round(episodes / train_s, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
             "model_gflop_per_s": round(achieved / 1e9, 2), "peak_matmul_gflop_per_s": round(peak / 1e9, 1),
-            "mfu": round(achieved / peak, 4),
+            "mfu": round(achieved / peak, 4), "threads": torch.get_num_threads(),  # at the end: it adapts
             "phases_s": {phase: round(seconds, 4) for phase, seconds in median_phases(history).items()},
             "metrics": history[-1]}

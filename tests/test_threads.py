@@ -1,5 +1,6 @@
 """Threads that fit the machine (rlhf_core/threads.py): each torch process takes cores // processes side by side,
-the count multiplies down the process tree, and a user's fixed count wins everywhere."""
+the count multiplies down the process tree, depends on no neighbour unless the user asks it to adapt
+(RLHF_THREADS=auto), and a user's fixed count wins everywhere."""
 
 from __future__ import annotations
 
@@ -66,8 +67,13 @@ def test_a_users_count_wins_over_the_share_all_the_way_down():
 
 @pytest.mark.parametrize("value", ["0", "-1", "two"])
 def test_a_bad_count_names_the_variable(value):
-    with pytest.raises(ValueError, match=f"{THREADS_ENV}={value!r}: expected a whole number"):
+    with pytest.raises(ValueError, match=f"{THREADS_ENV}={value!r}: expected a whole number of at least 1 or 'auto'"):
         planned_threads(bare({THREADS_ENV: value}))
+
+
+def test_adapting_is_carried_down_the_tree():
+    ranks = env_for_children(2, bare({THREADS_ENV: "auto"}))
+    assert ranks[THREADS_ENV] == "auto" and planned_threads(ranks, cores=16) == 8
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="one core: every share is one thread")
@@ -102,10 +108,35 @@ WAIT_FOR = "[time.sleep(0.05) for _ in range(600) if not pathlib.Path({}).exists
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="one core: every share is one thread")
+def test_by_default_a_neighbour_changes_nothing_so_a_rerun_gives_the_same_bytes(tmp_path):
+    """A pipeline started beside another one a user runs takes the same count as alone (the count changes the
+    numbers); with RLHF_THREADS=auto it takes half, and so does `rlhf bench`, which adapts always."""
+    neighbour = subprocess.Popen([sys.executable, "-c", "; ".join([
+        "import time, pathlib; from rlhf_core import threads", "threads.fit_threads()",
+        f"pathlib.Path({str(tmp_path / 'ready')!r}).touch()", "time.sleep(60)"])], env=bare(tmp=tmp_path))
+    try:
+        for _ in range(600):
+            if (tmp_path / "ready").exists():
+                break
+            time.sleep(0.05)
+        runs = {}
+        for name, env in (("default", bare(tmp=tmp_path)), ("auto", bare({THREADS_ENV: "auto"}, tmp=tmp_path))):
+            subprocess.run([sys.executable, "-c", REPORT, str(tmp_path / name)], env=env, check=True)
+            runs[name] = json.loads((tmp_path / f"{name}.0").read_text())["torch"]
+        bench = subprocess.run([str(Path(sys.executable).parent / "rlhf"), "bench", "--updates", "1", "--json"],
+                               env=bare(tmp=tmp_path), capture_output=True, text=True, check=True, timeout=600)
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    assert runs == {"default": usable_cores(), "auto": max(1, usable_cores() // 2)}
+    assert json.loads(bench.stdout)["threads"] == max(1, usable_cores() // 2), bench.stdout
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="one core: every share is one thread")
 def test_processes_started_apart_find_each_other_and_share_the_cores(tmp_path):
-    """Two benches or pipelines a user starts apart declare nothing: the first takes every core while alone and
-    halves at its next refit once the second runs; the second starts at half; once the second has exited the
-    first takes every core again."""
+    """Two benches or pipelines a user starts apart with RLHF_THREADS=auto declare nothing: the first takes every
+    core while alone and halves at its next refit once the second runs; the second starts at half; once the
+    second has exited the first takes every core again."""
     started, refit, exited = tmp_path / "second-started", tmp_path / "first-refit", tmp_path / "second-exited"
 
     def refit_now() -> str:
@@ -118,7 +149,7 @@ def test_processes_started_apart_find_each_other_and_share_the_cores(tmp_path):
     second_script = "; ".join([
         "import json, time, pathlib; from rlhf_core import threads", "n = threads.fit_threads()",
         f"pathlib.Path({str(started)!r}).touch()", WAIT_FOR.format(repr(str(refit))), "print(json.dumps(n))"])
-    env = bare(tmp=tmp_path)
+    env = bare({THREADS_ENV: "auto"}, tmp=tmp_path)
     first = subprocess.Popen([sys.executable, "-c", first_script], env=env, stdout=subprocess.PIPE, text=True)
     for _ in range(600):  # the first has registered
         if any(p.name.isdigit() for p in (tmp_path / f"rlhf-torch-{os.getuid()}").glob("*")):
