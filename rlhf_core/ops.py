@@ -18,7 +18,8 @@ References:
       https://arxiv.org/abs/2403.17031 (summarize_from_feedback_details)
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -256,6 +257,93 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
         dot = torch.bmm(e.reshape(-1, 1, V), z.reshape(-1, V, 1)).view(total.shape)  # (b, T) sum_v e_v z_v
         out.append(total.log() - dot / total)
     return torch.cat(out)  # (B, T)
+
+
+def token_logprobs_and_entropy(pieces: Sequence[torch.Tensor], index: torch.Tensor, temperature: float,
+                               with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-prob of each chosen token under softmax(logits / temperature), and that distribution's entropy, from
+    the raw logits in `pieces` along T (e.g. [(B, 1, V), (B, T - 1, V)], the shared prompt's last position and the
+    rest): what ``selective_log_softmax(cat(pieces) / temperature, index)`` and ``entropy_from_logits`` of the same
+    give, to rounding (GRPO's forward; PPO and RLOO keep those two).
+
+    One fused pass per piece instead of a full-vocabulary tensor per step: z = (x - max x) / temperature and e = exp z
+    once, then log p = z[index] - log S and H = log S - (e . z) / S with S = sum e, and e is what the backward needs:
+    dlogp/dx = (onehot - e / S) / temperature, one pass over e (no concatenation, no scaled copy, no log-softmax
+    backward, no dense gather backward, no gradient sum). Extra memory: e, of the logits' size, held for the backward
+    in place of the scaled logits, and a CHUNK_BYTES chunk of z. The logits must be finite (a model's are: no
+    top-k -inf here).
+
+    Args:
+        pieces: (B, T_i, V) raw logits with sum T_i = T; bf16 / fp16 ones (autocast) are upcast to fp32 here.
+        index: (B, T) integer token ids to select.
+        temperature: the sampling temperature the log-probs are taken at.
+        with_entropy: also return the (B, T) entropies (no gradient; a logged statistic); else None.
+
+    Returns:
+        ((B, T) log-probs, differentiable w.r.t. every piece; (B, T) entropies in nats or None).
+    """
+    widths = [piece.shape[1] for piece in pieces]
+    assert sum(widths) == index.shape[1] and all(p.shape[0] == index.shape[0] for p in pieces), (
+        f"pieces {[tuple(p.shape) for p in pieces]} must cover index {tuple(index.shape)} along T"
+    )
+    upcast = [piece if piece.dtype in (torch.float32, torch.float64) else piece.float() for piece in pieces]
+    logprobs, entropy = _TokenLogprobs.apply(index, float(temperature), with_entropy, *upcast)
+    return logprobs, (entropy if with_entropy else None)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """`token_logprobs_and_entropy`'s forward and its one-pass backward."""
+
+    @staticmethod
+    def forward(ctx, index: torch.Tensor, temperature: float, with_entropy: bool, *pieces: torch.Tensor):
+        widths = [piece.shape[1] for piece in pieces]
+        logprobs = pieces[0].new_empty(index.shape)  # (B, T)
+        entropy = pieces[0].new_empty(index.shape if with_entropy else (0,))  # (B, T) or nothing
+        kept = []
+        for piece, columns, piece_index in zip(pieces, _spans(widths), index.split(widths, dim=1), strict=True):
+            e = piece.new_empty(piece.shape)  # (B, t, V) exp z, kept for the backward (contiguous)
+            total = piece.new_empty(piece.shape[:-1])  # (B, t) S
+            for rows in _row_ranges(piece):  # z in chunks of rows: at most CHUNK_BYTES of it at once
+                x = piece[rows]  # (b, t, V)
+                # (x - max x) / temperature in one pass: -max/temperature + x/temperature, (b, t, V), max ~0
+                z = torch.add(x.amax(dim=-1, keepdim=True).div_(-temperature), x, alpha=1 / temperature)
+                e_rows = torch.exp(z, out=e[rows])
+                s = torch.sum(e_rows, dim=-1, out=total[rows])  # (b, t) >= 1
+                log_s = s.log()
+                logprobs[rows, columns] = z.gather(-1, piece_index[rows].unsqueeze(-1)).squeeze(-1) - log_s
+                if with_entropy:
+                    V = z.shape[-1]
+                    dot = torch.bmm(e_rows.reshape(-1, 1, V), z.reshape(-1, V, 1)).view(s.shape)  # sum_v e_v z_v
+                    entropy[rows, columns] = log_s - dot / s
+            kept += [e, total]
+        ctx.temperature, ctx.widths = temperature, widths
+        ctx.save_for_backward(index, *kept)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor, _grad_entropy: torch.Tensor | None):
+        index, *saved = ctx.saved_tensors
+        grads = []
+        for (e, total), piece_grad, piece_index in zip(zip(saved[::2], saved[1::2], strict=True),
+                                                       grad.split(ctx.widths, dim=1),
+                                                       index.split(ctx.widths, dim=1), strict=True):
+            g = piece_grad / ctx.temperature  # (B, t)
+            out = e * (-g / total).unsqueeze(-1)  # (B, t, V) -g softmax / temperature
+            grads.append(out.scatter_add_(-1, piece_index.unsqueeze(-1), g.unsqueeze(-1)))  # + g onehot
+        return None, None, None, *grads
+
+
+def _spans(widths: list[int]) -> list[slice]:
+    """Consecutive slices of the given widths: [0, w0), [w0, w0 + w1), ..."""
+    return [slice(end - width, end) for width, end in zip(widths, accumulate(widths), strict=True)]
+
+
+def _row_ranges(logits: torch.Tensor) -> list[slice]:
+    """Slices of rows of `logits` (B, T, V), each at most CHUNK_BYTES of fp32 (at least one row)."""
+    step = max(1, CHUNK_BYTES // max(logits[0].numel() * 4, 1))
+    return [slice(start, start + step) for start in range(0, logits.shape[0], step)]
 
 
 # ---------------------------------------------------------------------------------------------
