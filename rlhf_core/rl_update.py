@@ -19,27 +19,37 @@ from rlhf_core import ops
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import mini_batch_indices
 from rlhf_core.metrics import MetricAccumulator
-from rlhf_core.rollout import PolicyOutput, Rollout, response_logits, token_values
+from rlhf_core.rollout import PolicyOutput, Rollout, response_logit_pieces, response_logits, token_values
 from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed
 
 
 class PolicyAndValue(nn.Module):
-    """Policy (and PPO's value model) as one module: one optimizer and one DDP/DeepSpeed wrapper own both."""
+    """Policy (and PPO's value model) as one module: one optimizer and one DDP/DeepSpeed wrapper own both.
 
-    def __init__(self, policy: nn.Module, value: nn.Module | None = None):
+    `fused_logprobs` (GRPO): the log-probs and entropy from the raw logit pieces in one fused pass with a one-pass
+    backward (`ops.token_logprobs_and_entropy`); PPO and RLOO keep `selective_log_softmax` and
+    `entropy_from_logits` over the joined, scaled logits (the same figures to rounding)."""
+
+    def __init__(self, policy: nn.Module, value: nn.Module | None = None, *, fused_logprobs: bool = False):
         super().__init__()
         self.policy = policy
         self.value = value
+        self.fused_logprobs = fused_logprobs
 
     def forward(self, queries: Tensor, query_mask: Tensor, responses: Tensor, response_mask: Tensor,
                 temperature: float, share_prompts: bool = False, with_entropy: bool = True) -> PolicyOutput:
         parts = (queries, query_mask, responses, response_mask)
-        logits = response_logits(self.policy, parts, temperature, share_prompts=share_prompts)  # (B, R, V)
-        logprobs = ops.selective_log_softmax(logits, responses) * response_mask  # (B, R)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():  # a logged statistic, not part of the loss
-                entropy = ops.entropy_from_logits(logits)  # (B, R)
+        if self.fused_logprobs:
+            pieces = response_logit_pieces(self.policy, parts, share_prompts=share_prompts)  # [(B, r, V), ...]
+            logprobs, entropy = ops.token_logprobs_and_entropy(pieces, responses, temperature, with_entropy)
+            logprobs = logprobs * response_mask  # (B, R)
+        else:
+            logits = response_logits(self.policy, parts, temperature, share_prompts=share_prompts)  # (B, R, V)
+            logprobs = ops.selective_log_softmax(logits, responses) * response_mask  # (B, R)
+            entropy = None
+            if with_entropy:
+                with torch.no_grad():  # a logged statistic, not part of the loss
+                    entropy = ops.entropy_from_logits(logits)  # (B, R)
         values = None if self.value is None else token_values(self.value, parts)  # (B, R)
         return PolicyOutput(logprobs=logprobs, entropy=entropy, values=values)
 

@@ -105,6 +105,16 @@ def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Ten
     the same prompt (RLOO's k samples) go through it once (`shared_prompt_forward`, differentiable): equal to
     rounding, so the rollout's log-probs and the training forward must both share or both not.
     """
+    pieces = response_logit_pieces(model, batch, share_prompts=share_prompts)
+    logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)  # (B, R, V)
+    return logits.float() / temperature
+
+
+def response_logit_pieces(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Tensor, Tensor], *,
+                          share_prompts: bool = False) -> list[Tensor]:
+    """`response_logits` before it joins and scales them: the model's raw logits for the R response tokens in pieces
+    along R, [(B, 1, V) at the last prompt position, (B, R - 1, V)] on the shared-prompt path, [(B, R, V)] otherwise
+    (`ops.token_logprobs_and_entropy` reads them so, with no (B, R, V) concatenation or scaled copy)."""
     queries, query_mask, responses, response_mask = _parts(batch)
     R = responses.shape[1]
     groups = prompt_groups(model, queries, query_mask) if share_prompts else None
@@ -113,15 +123,14 @@ def response_logits(model: nn.Module, batch: Rollout | tuple[Tensor, Tensor, Ten
                                               response_tokens=R - 1, prompt_reads=1,
                                               prompt_kwargs={"logits_to_keep": 1})
         first_logits = prompts.logits[groups[1]]  # (B, 1, V): the last prompt position, read by every sample
-        logits = first_logits if rest is None else torch.cat([first_logits, rest.logits], dim=1)  # (B, R, V)
-        return logits.float() / temperature
+        return [first_logits] if rest is None else [first_logits, rest.logits]
     input_ids = torch.cat([queries, responses], dim=1)  # (B, P+R)
     mask = torch.cat([query_mask, response_mask], dim=1)
     # the LM head on the R + 1 last positions only: the prompt's logits would be a (B, P, V) matmul for nothing
     with reading_last(model, R + 1):
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
                        logits_to_keep=R + 1).logits  # (B, R + 1, V)
-    return logits[:, :-1].float() / temperature  # (B, R, V)
+    return [logits[:, :-1]]  # (B, R, V)
 
 
 def distinct_prompts(queries: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -568,3 +568,28 @@ def test_keyed_uniforms_sample_the_softmax_and_depend_only_on_the_key():
     assert not torch.equal(ops.keyed_uniform(some, 5), ops.keyed_uniform(some, 6))
     one = lambda update, prompt, sample: ops.episode_keys(0, update, torch.tensor([prompt]), torch.tensor([sample]))  # noqa: E731
     assert len({one(0, 0, 0).item(), one(0, 0, 1).item(), one(0, 1, 0).item(), one(1, 0, 0).item()}) == 4
+
+
+@pytest.mark.parametrize("widths", [[5], [1, 4]])
+def test_fused_token_logprobs_and_entropy_match_the_reference_and_its_gradient(widths):
+    """GRPO's fused pass (ops.token_logprobs_and_entropy) over the logit pieces against selective_log_softmax and
+    entropy_from_logits of the joined, temperature-scaled logits: values and gradients to rounding in fp32, and
+    torch's numerical gradient check in fp64."""
+    g = torch.Generator().manual_seed(0)
+    B, V, temperature = 3, 11, 0.7
+    pieces = [torch.randn(B, w, V, generator=g, dtype=torch.float64, requires_grad=True) for w in widths]
+    index = torch.randint(0, V, (B, sum(widths)), generator=g)
+    weights = torch.randn(B, sum(widths), generator=g, dtype=torch.float64)
+    logprobs, entropy = ops.token_logprobs_and_entropy(pieces, index, temperature)
+    (logprobs * weights).sum().backward()
+    fused_grads = [p.grad.clone() for p in pieces]
+    joined = torch.cat([p.detach() for p in pieces], dim=1).requires_grad_()
+    reference = ops.selective_log_softmax(joined / temperature, index)
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(logprobs, reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, ops.entropy_from_logits(joined.detach() / temperature), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat(fused_grads, dim=1), joined.grad, rtol=1e-12, atol=1e-12)
+    inputs = [p.detach().requires_grad_() for p in pieces]
+    assert torch.autograd.gradcheck(lambda *xs: ops.token_logprobs_and_entropy(list(xs), index, temperature)[0],
+                                    inputs)
+    assert ops.token_logprobs_and_entropy(pieces, index, temperature, with_entropy=False)[1] is None
