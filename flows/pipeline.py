@@ -50,6 +50,7 @@ from flows.overrides import (
 from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
 from flows.progress import forwarded_progress
 from tasks.dag.dvc_yaml import stage_names
+from tasks.execution.stage_server import SERVER_ENV, serving_stages
 from tasks.execution.transient import transient_cause
 from tasks.parameters.params import ParamsError, load_params
 from tasks.tracking.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_uri
@@ -68,8 +69,9 @@ def _retry_if_transient(task, task_run, state: State) -> bool:
 # DVC is the cache (it skips unchanged stages): Prefect caches nothing and persists no result.
 @task(name="dvc-stage", task_run_name="{name}", retries=2, retry_delay_seconds=[15, 60],
       retry_condition_fn=_retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State:
-    """`dvc repro --single-item NAME`: runs the stage if its params, deps or outs changed, else skips it."""
+def run_dvc_stage(name: str, root: str, parent_run_id: str = "", stage_server: str = "") -> dict | State:
+    """`dvc repro --single-item NAME`: runs the stage if its params, deps or outs changed, else skips it; in the
+    run's warm stage server when it names one (tasks/execution/stage_server.py)."""
     logger = get_run_logger()
     log = Path(root) / LOGS_DIR / f"{name}.log"
     logger.info("stage %s: log %s", name, log)
@@ -78,7 +80,8 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "") -> dict | State
     ui_only = logging.LoggerAdapter(logging.getLogger(UI_ONLY_LOGGER), logger.extra)
     # and while it runs, its bars' moves every few steps, with a progress artifact (flows/progress.py)
     with forwarded_progress(name, ui_only) as progress_env:
-        env = stage_env({**progress_env, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {})}, terminal)
+        env = stage_env({**progress_env, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}),
+                         **({SERVER_ENV: stage_server} if stage_server else {})}, terminal)
         result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None),
                              on_line=lambda line: ui_only.info("%s", line))
     if interrupt.received():
@@ -138,14 +141,16 @@ def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
 def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[dict], State | None, set[str]]:
     """Each stage in order until one fails: (results, the failed state or None, stages reached)."""
     results, reached = [], set()
-    for name in names:
-        if interrupt.received():
-            return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}"), reached
-        reached.add(name)
-        state = run_dvc_stage(name, str(root), parent_run_id, return_state=True)
-        if not state.is_completed():  # failed, or cancelled by a signal
-            return results, state, reached
-        results.append(state.result())
+    # torch, transformers and MLflow imported once for the run's stages, not once per stage
+    with serving_stages(root / LOGS_DIR / "stage_server.log") as server:
+        for name in names:
+            if interrupt.received():
+                return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}"), reached
+            reached.add(name)
+            state = run_dvc_stage(name, str(root), parent_run_id, server, return_state=True)
+            if not state.is_completed():  # failed, or cancelled by a signal
+                return results, state, reached
+            results.append(state.result())
     return results, None, reached
 
 
