@@ -1,21 +1,9 @@
-"""RL math for PPO / RLOO on causal language models, as small pure tensor functions.
+"""RL math for PPO, RLOO and GRPO on causal language models, as small pure tensor functions.
 
-Conventions used throughout:
-    B = batch size (number of sequences), T = response length, V = vocabulary size.
-    ``mask`` tensors are bool or 0/1 floats of the same shape as the values they mask;
-    True / 1 marks a real (non-padding) response token.
-
-Nothing here calls ``.item()`` or otherwise syncs with the device, except ``masked_var`` (and
-``masked_whiten``, which calls it): it reads the number of masked elements once to raise a clear
-error instead of returning NaN/inf.
-
-References:
-    - PPO: Schulman et al. 2017, https://arxiv.org/abs/1707.06347
-    - GAE: Schulman et al. 2015, https://arxiv.org/abs/1506.02438
-    - RLOO: Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740
-    - KL estimators: Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
-    - Implementation details: Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO",
-      https://arxiv.org/abs/2403.17031 (summarize_from_feedback_details)
+Shapes: B sequences, T response tokens, V vocabulary; a ``mask`` has its values' shape (bool or 0/1, True
+at real response tokens). Only ``masked_var`` (and ``masked_whiten``) syncs with the device: to raise, not
+return NaN.
+Derivations, numerics and references: docs/trainer.md#the-math-in-rlhf_coreopspy
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -30,27 +18,16 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 reduce their numerators and denominators with it, never means of means. None: this process alone."""
 
 
-# ---------------------------------------------------------------------------------------------
-# masked statistics
-# ---------------------------------------------------------------------------------------------
+# -- masked statistics ---------------------------------------------------------------------------------------
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
                 reduce: Reduce | None = None) -> torch.Tensor:
-    """Mean of ``values`` over the positions where ``mask`` is set.
+    """sum(values * mask) / sum(mask): a scalar over all elements, or along ``dim``; ``reduce`` (dim None
+    only) sums numerator and denominator over processes, a global mean.
 
-        masked_mean = sum(values * mask) / sum(mask)      (each sum over every process with ``reduce``)
-
-    Args:
-        values: (...) floating tensor, e.g. (B, T).
-        mask: same shape as ``values``; bool or 0/1 float.
-        dim: reduce over all elements when None (-> scalar), else along ``dim`` only.
-        reduce: with dim None, sums the numerator and denominator across processes (a global mean).
-
-    Returns:
-        scalar tensor, or ``values`` with ``dim`` reduced. The scalar mean of an all-zero mask is 0 (a
-        micro-batch with nothing in the loss gives a zero loss and zero gradients, not NaN); along ``dim``
-        an all-zero slice gives NaN (0/0). No check syncs with the device.
+    An empty mask gives 0 as a scalar (a micro-batch with nothing in the loss has zero loss and gradients,
+    not NaN) and NaN along ``dim``. Why: docs/trainer.md#masked-statistics
     """
     assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
     mask = mask.to(values.dtype)  # bool -> float so that multiplication and sums are in values' dtype
@@ -64,25 +41,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
                reduce: Reduce | None = None) -> torch.Tensor:
-    """Variance of ``values`` over all masked positions.
-
-        mu  = masked_mean(values, mask)
-        var = masked_mean((values - mu)^2, mask)        (biased, divides by n)
-        var = var * n / (n - 1)                          (unbiased / Bessel-corrected)
-        with n = sum(mask)
-
-    Args:
-        values: (...) floating tensor, e.g. (B, T).
-        mask: same shape as ``values``; bool or 0/1 float.
-        unbiased: apply Bessel's correction (matches ``torch.var(values[mask])``).
-        reduce: makes mu, the squared deviations and n global sums over processes.
-
-    Returns:
-        scalar tensor.
+    """Scalar variance of ``values`` over the masked positions, Bessel-corrected when ``unbiased`` (as
+    ``torch.var(values[mask])``); ``reduce`` makes it global. Formula: docs/trainer.md#masked-statistics
 
     Raises:
-        ValueError: if the mask is empty, or has a single element while ``unbiased`` is True.
-            Checking this reads n on the host (one device sync per call).
+        ValueError: if the mask is empty, or selects one element while ``unbiased`` (checking reads n on the
+            host: the one device sync).
     """
     assert values.shape == mask.shape, f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ"
     n = mask.sum() if reduce is None else reduce(mask.sum().to(values.dtype))  # scalar
@@ -103,50 +67,25 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
                   reduce: Reduce | None = None) -> torch.Tensor:
-    """Normalize ``values`` to zero mean and unit variance using masked statistics.
-
-        out = (values - mu) * rsqrt(var + 1e-8)
-        out = out + mu                    if not shift_mean (only the scale changes)
-        with mu = masked_mean(values, mask), var = masked_var(values, mask, unbiased=True)
-
-    Args:
-        values: (...) floating tensor, e.g. advantages (B, T).
-        mask: same shape as ``values``; bool or 0/1 float.
-        shift_mean: subtract the mean (True) or keep it (False, e.g. for rewards).
-        reduce: whiten with the statistics of the global batch (every process's shard).
-
-    Returns:
-        tensor of ``values``' shape. Masked-out positions hold the same affine transform of their
-        input (they are not zeroed): callers must keep masking them.
-
-    Raises:
-        ValueError: from ``masked_var`` if the mask has fewer than 2 elements.
+    """``values`` scaled to unit masked variance and, with ``shift_mean``, to zero masked mean (False keeps
+    the mean, e.g. for rewards); ``reduce``: with the global batch's statistics. Masked-out positions get the
+    same affine map, not zeros: keep masking them. Raises ``masked_var``'s ValueError (fewer than 2
+    elements). Formula: docs/trainer.md#masked-statistics
     """
     mean = masked_mean(values, mask, reduce=reduce)  # scalar
-    var = masked_var(values, mask, unbiased=True, reduce=reduce)  # scalar; asserts shapes, raises on tiny masks
+    var = masked_var(values, mask, unbiased=True, reduce=reduce)  # scalar; asserts shapes, raises if n < 2
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)  # (...)
     if not shift_mean:
         whitened = whitened + mean
     return whitened
 
 
-# ---------------------------------------------------------------------------------------------
-# token bookkeeping
-# ---------------------------------------------------------------------------------------------
+# -- token bookkeeping ---------------------------------------------------------------------------------------
 
 
 def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Index of the first True in each row, or the row length T when a row has no True.
-
-        idx[b] = min({t : bools[b, t]} ∪ {T})
-
-    Args:
-        bools: (B, T) bool tensor (any leading dims work; the last dim is searched).
-        dtype: integer dtype of the result.
-
-    Returns:
-        (B,) tensor of indices in [0, T].
-    """
+    """(B,) index of the first True of each row of ``bools`` (B, T) (the last dim is searched; any leading
+    dims work), or T where a row has none."""
     assert bools.dtype == torch.bool, f"first_true_indices expects a bool tensor, got {bools.dtype}"
     row_len = bools.size(-1)
     positions = torch.arange(row_len, dtype=dtype, device=bools.device)  # (T,)
@@ -156,22 +95,9 @@ def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> 
 
 
 def truncate_after_stop(responses: torch.Tensor, stop_token_id: int, pad_token_id: int) -> torch.Tensor:
-    """Replace every token after the first stop token with ``pad_token_id``.
-
-        out[b, t] = responses[b, t]   if t <= first index of stop_token_id in row b
-                  = pad_token_id      otherwise
-
-    The stop token itself is kept; rows without a stop token are returned unchanged. Works when
-    ``stop_token_id == pad_token_id`` (everything from the first pad on is pad).
-
-    Args:
-        responses: (B, T) integer token ids (generated continuations, prompt excluded).
-        stop_token_id: e.g. the EOS token id.
-        pad_token_id: the id written after the stop token.
-
-    Returns:
-        (B, T) tensor of token ids, a new tensor (the input is not modified).
-    """
+    """A new (B, T) ``responses`` (token ids, prompt excluded) with every token after a row's first
+    ``stop_token_id`` set to ``pad_token_id``; the stop token stays, rows without one are unchanged, and
+    ``stop_token_id == pad_token_id`` works."""
     assert responses.dim() == 2, f"responses must be (B, T), got shape {tuple(responses.shape)}"
     stop_idx = first_true_indices(responses == stop_token_id)  # (B,); T when there is no stop
     positions = torch.arange(responses.size(1), device=responses.device)  # (T,)
@@ -179,9 +105,7 @@ def truncate_after_stop(responses: torch.Tensor, stop_token_id: int, pad_token_i
     return torch.where(keep, responses, torch.full_like(responses, pad_token_id))  # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# log-probabilities and entropy
-# ---------------------------------------------------------------------------------------------
+# -- log-probabilities and entropy ---------------------------------------------------------------------------
 
 
 CHUNK_BYTES = 64 * 2**20
@@ -197,21 +121,10 @@ def _row_chunks(logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits) gathered at ``index``, without materializing the full (B, T, V) log-probs.
-
-        out[b, t] = logits[b, t, index[b, t]] - logsumexp_v(logits[b, t, v])
-
-    fp32 / fp64: gather the selected logits and subtract a logsumexp computed chunk by chunk of rows,
-    so the peak extra memory is one chunk (CHUNK_BYTES) instead of a (B, T, V) copy.
-    bf16 / fp16: ``logits - logsumexp`` loses precision in low-precision dtypes, so each chunk goes
-    through ``log_softmax`` (as TRL does); the extra memory is still one chunk.
-
-    Args:
-        logits: (B, T, V) floating tensor (already divided by the sampling temperature, if any).
-        index: (B, T) integer token ids to select.
-
-    Returns:
-        (B, T) log-probabilities in ``logits``' dtype; differentiable w.r.t. ``logits``.
+    """(B, T) log softmax(``logits``) (B, T, V) gathered at ``index`` (B, T), in ``logits``' dtype and
+    differentiable, with one CHUNK_BYTES chunk of extra memory instead of a (B, T, V) copy. ``logits`` are
+    already divided by the sampling temperature.
+    Why fp32 and bf16 differ: docs/trainer.md#selective_log_softmax
     """
     assert logits.shape[:-1] == index.shape, (
         f"logits {tuple(logits.shape)} must be index {tuple(index.shape)} plus a vocab dim"
@@ -229,22 +142,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution softmax(logits), per position.
-
-        H = -sum_v p_v log p_v = log S - (sum_v e_v z_v) / S,   z = logits - max(logits), e = exp(z), S = sum_v e_v
-
-    The second form never takes the log of a probability, so it stays finite when some p_v
-    underflow to 0; -inf logits (e.g. from top-k masking) are fine as long as one logit per
-    position is finite (their z is set to 0: e_v z_v is 0 there, not 0 * -inf = NaN, forward and
-    backward). One exp pass, and the sum of products as a batched dot product (no (B, T, V)
-    product tensor): ~2x faster than softmax + logsumexp on a CPU. Rows go through in chunks of at
-    most CHUNK_BYTES to bound peak memory.
-
-    Args:
-        logits: (B, T, V) floating tensor.
-
-    Returns:
-        (B, T) entropies in nats.
+    """(B, T) entropies in nats of softmax(``logits``) (B, T, V), in CHUNK_BYTES chunks of rows. Finite when
+    probabilities underflow and with -inf logits (top-k) as long as one logit per position is finite.
+    Formula and speed: docs/trainer.md#entropy_from_logits
     """
     assert logits.dim() >= 2, f"logits must be (B, T, V), got shape {tuple(logits.shape)}"
     out = []
@@ -261,26 +161,12 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs_and_entropy(pieces: Sequence[torch.Tensor], index: torch.Tensor, temperature: float,
                                with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The log-prob of each chosen token under softmax(logits / temperature), and that distribution's entropy, from
-    the raw logits in `pieces` along T (e.g. [(B, 1, V), (B, T - 1, V)], the shared prompt's last position and the
-    rest): what ``selective_log_softmax(cat(pieces) / temperature, index)`` and ``entropy_from_logits`` of the same
-    give, to rounding (GRPO's forward; PPO and RLOO keep those two).
-
-    One fused pass per piece instead of a full-vocabulary tensor per step: z = (x - max x) / temperature and e = exp z
-    once, then log p = z[index] - log S and H = log S - (e . z) / S with S = sum e, and e is what the backward needs:
-    dlogp/dx = (onehot - e / S) / temperature, one pass over e (no concatenation, no scaled copy, no log-softmax
-    backward, no dense gather backward, no gradient sum). Extra memory: e, of the logits' size, held for the backward
-    in place of the scaled logits, and a CHUNK_BYTES chunk of z. The logits must be finite (a model's are: no
-    top-k -inf here).
-
-    Args:
-        pieces: (B, T_i, V) raw logits with sum T_i = T; bf16 / fp16 ones (autocast) are upcast to fp32 here.
-        index: (B, T) integer token ids to select.
-        temperature: the sampling temperature the log-probs are taken at.
-        with_entropy: also return the (B, T) entropies (no gradient; a logged statistic); else None.
-
-    Returns:
-        ((B, T) log-probs, differentiable w.r.t. every piece; (B, T) entropies in nats or None).
+    """(B, T) log-probs of ``index`` under softmax(logits / temperature) and (B, T) entropies of it (no
+    gradient; None without ``with_entropy``), from raw logit ``pieces`` (B, T_i, V) that cover T, e.g. a
+    shared prompt's last position and the rest. Equal to rounding to ``selective_log_softmax`` +
+    ``entropy_from_logits`` of the concatenated scaled logits, in one fused pass with a one-pass backward:
+    GRPO's training forward (PPO and RLOO keep those two). bf16 / fp16 pieces are upcast to fp32; the logits
+    must be finite. Derivation and memory: docs/trainer.md#token_logprobs_and_entropy
     """
     widths = [piece.shape[1] for piece in pieces]
     assert sum(widths) == index.shape[1] and all(p.shape[0] == index.shape[0] for p in pieces), (
@@ -292,7 +178,10 @@ def token_logprobs_and_entropy(pieces: Sequence[torch.Tensor], index: torch.Tens
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """`token_logprobs_and_entropy`'s forward and its one-pass backward."""
+    """`token_logprobs_and_entropy`'s forward and its one-pass backward.
+
+    Derivation: docs/trainer.md#token_logprobs_and_entropy
+    """
 
     @staticmethod
     def forward(ctx, index: torch.Tensor, temperature: float, with_entropy: bool, *pieces: torch.Tensor):
@@ -313,7 +202,7 @@ class _TokenLogprobs(torch.autograd.Function):
                 logprobs[rows, columns] = z.gather(-1, piece_index[rows].unsqueeze(-1)).squeeze(-1) - log_s
                 if with_entropy:
                     V = z.shape[-1]
-                    dot = torch.bmm(e_rows.reshape(-1, 1, V), z.reshape(-1, V, 1)).view(s.shape)  # sum_v e_v z_v
+                    dot = torch.bmm(e_rows.reshape(-1, 1, V), z.reshape(-1, V, 1)).view(s.shape)  # e . z
                     entropy[rows, columns] = log_s - dot / s
             kept += [e, total]
         ctx.temperature, ctx.widths = temperature, widths
@@ -346,30 +235,14 @@ def _row_ranges(logits: torch.Tensor) -> list[slice]:
     return [slice(start, start + step) for start in range(0, logits.shape[0], step)]
 
 
-# ---------------------------------------------------------------------------------------------
-# KL penalty and advantages
-# ---------------------------------------------------------------------------------------------
+# -- KL penalty and advantages -------------------------------------------------------------------------------
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi, elementwise.
-
-    With r = ref_logprobs - logprobs = log(pi_ref(x) / pi(x)) and x ~ pi:
-        "k1":  -r = logprobs - ref_logprobs          (unbiased, high variance, can be negative)
-        "k3":  (exp(r) - 1) - r                      (unbiased, lower variance, always >= 0)
-
-    See John Schulman, "Approximating KL Divergence" (2020), http://joschu.net/blog/kl-approx.html
-
-    Args:
-        logprobs: (B, T) log-probs of the sampled tokens under the policy.
-        ref_logprobs: (B, T) log-probs of the same tokens under the reference model.
-        estimator: "k1" or "k3".
-
-    Returns:
-        (B, T) per-token KL estimates (not masked: multiply by the response mask before summing).
-
-    Raises:
-        ValueError: for an unknown estimator.
+    """(B, T) per-token estimates of KL(pi || pi_ref) from the log-probs (B, T) of tokens sampled from pi,
+    not masked: "k1" = logprobs - ref_logprobs (unbiased, high variance, can be negative) or
+    "k3" = (exp(r) - 1) - r, r = ref_logprobs - logprobs (unbiased, lower variance, >= 0); ValueError for
+    another estimator. Derivation: docs/trainer.md#kl_penalty
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
@@ -385,26 +258,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 def gae(
     rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalized Advantage Estimation, computed backwards over time.
-
-        delta_t = r_t + gamma * V_{t+1} - V_t            with V_T = 0 (episode ends after T-1)
-        A_t     = delta_t + gamma * lam * A_{t+1}         with A_T = 0
-        returns = A + V
-
-    Padding after the end of a response is not handled here: set rewards and values to 0 at
-    padding positions before calling (so they add nothing), and mask the outputs afterwards.
-
-    Outputs are computed under ``torch.no_grad`` and never carry autograd history: advantages and
-    returns are regression / policy-gradient targets, not something to differentiate through.
-
-    Args:
-        rewards: (B, T) per-token rewards (e.g. -beta * KL, plus the score on the last token).
-        values: (B, T) value estimates V(s_t) from the rollout.
-        gamma: discount factor in [0, 1].
-        lam: GAE lambda in [0, 1].
-
-    Returns:
-        (advantages, returns), both (B, T), detached.
+    """Generalized Advantage Estimation: (advantages, returns = advantages + values), both (B, T) and
+    detached (targets, not differentiated), from per-token ``rewards`` and ``values`` V(s_t) (B, T), with
+    V_T = A_T = 0. Padding is not handled: zero rewards and values there before, mask the outputs after.
+    Recursion: docs/trainer.md#gae
     """
     assert rewards.shape == values.shape, (
         f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} differ"
@@ -426,18 +283,13 @@ def gae(
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """REINFORCE Leave-One-Out advantages: each sample's reward minus the mean of its siblings.
-
-        A[p, i] = R[p, i] - (sum_j R[p, j] - R[p, i]) / (k - 1)
+    """REINFORCE Leave-One-Out advantages (num_prompts, k): each sequence reward minus the mean of the k - 1
+    other samples of its prompt (rows sum to 0). Formula: docs/trainer.md#rloo_advantages
 
     Args:
-        rewards: (num_prompts, k) sequence-level rewards, the k samples of a prompt in one row.
-            A flat batch laid out prompt-major (p0s0, p0s1, ..., p1s0, ...) is
-            ``rewards.view(-1, k)``; a sample-major one (p0s0, p1s0, ..., p0s1, ...) is
+        rewards: (num_prompts, k), a prompt's k samples in one row: a flat prompt-major batch (p0s0, p0s1,
+            ..., p1s0, ...) is ``rewards.view(-1, k)``, a sample-major one (p0s0, p1s0, ..., p0s1, ...)
             ``rewards.view(k, -1).T``.
-
-    Returns:
-        (num_prompts, k) advantages; each row sums to 0.
     """
     assert rewards.dim() == 2, f"rewards must be (num_prompts, k), got shape {tuple(rewards.shape)}"
     k = rewards.size(1)
@@ -446,9 +298,7 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - baseline  # (P, k)
 
 
-# ---------------------------------------------------------------------------------------------
-# PPO losses
-# ---------------------------------------------------------------------------------------------
+# -- PPO losses ----------------------------------------------------------------------------------------------
 
 
 def ppo_policy_loss(
@@ -459,29 +309,16 @@ def ppo_policy_loss(
     cliprange: float,
     cliprange_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate policy loss (to minimize).
-
-        ratio    = exp(logprobs - old_logprobs)
-        loss     = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - eps, 1 + eps_high)), mask)
-        clipfrac = masked_mean(-A * clamp(ratio, 1 - eps, 1 + eps_high) > -A * ratio, mask)
-
-    ``eps_high`` = ``cliprange_high`` (DAPO's clip-higher, TRL's ``epsilon_high``), ``cliprange`` when None:
-    a larger upper bound lets tokens with a positive advantage gain more probability per update.
-
-    ``old_logprobs`` and ``advantages`` are treated as constants (detached).
-
-    Args:
-        logprobs: (B, T) log-probs of the taken tokens under the current policy (with grad).
-            (B, 1) works as well, for sequence-level log-probs.
-        old_logprobs: (B, T) log-probs of the same tokens at rollout time.
-        advantages: (B, T) advantages (already whitened, if desired).
-        mask: (B, T) bool or 0/1 float; True at real response tokens.
-        cliprange: epsilon, e.g. 0.2.
-        cliprange_high: the upper epsilon, e.g. 0.28; None for the symmetric clip.
+    """PPO's clipped surrogate loss (to minimize) and clip fraction, scalars, from (B, T) inputs ((B, 1) for
+    sequence-level log-probs): the masked mean of the larger of -A * ratio and -A * ratio clipped to
+    [1 - cliprange, 1 + cliprange_high], the pessimistic bound. ``cliprange_high`` (DAPO's clip-higher, TRL's
+    ``epsilon_high``; ``cliprange`` when None) lets positive-advantage tokens gain more per update.
+    Formulas: docs/trainer.md#ppo_policy_loss-and-ppo_value_loss
 
     Returns:
-        (loss, clipfrac): scalar tensors; ``loss`` keeps the graph w.r.t. ``logprobs``,
-        ``clipfrac`` (fraction of masked tokens where the clipped term was active) has no grad.
+        (loss, clipfrac): ``loss`` keeps the graph w.r.t. ``logprobs`` (``old_logprobs`` and ``advantages``
+        are detached); ``clipfrac``, the fraction of masked tokens where the clipped term was active, has no
+        grad.
     """
     assert logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape, (
         f"shape mismatch: logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)}, "
@@ -500,18 +337,9 @@ def ppo_policy_loss(
 
 def clip_ratios(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float,
                 cliprange_high: float | None = None) -> dict[str, torch.Tensor]:
-    """How often the clip bound, not the ratio, set the loss, by side (TRL's `clip_ratio/*` metrics):
-
-        low    = masked_mean(ratio < 1 - eps and A < 0)        the ratio fell below the lower bound
-        high   = masked_mean(ratio > 1 + eps_high and A > 0)   the ratio rose above the upper bound
-        region = masked_mean(low or high)
-
-    Args:
-        ratio, advantages, mask: (B, T) (or (B, 1) per sequence), as in `ppo_policy_loss`.
-
-    Returns:
-        {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}: scalars, no grad.
-    """
+    """TRL's ``clip_ratio/{low,high,region}_mean`` metrics (scalars, no grad): the masked fractions of tokens
+    whose loss a clip bound set, not the ratio: low (ratio < 1 - eps, A < 0), high (ratio > 1 + eps_high,
+    A > 0) or either. Arguments (B, T) or (B, 1), as in ``ppo_policy_loss``."""
     ratio, advantages = ratio.detach(), advantages.detach()
     high = cliprange if cliprange_high is None else cliprange_high
     is_low = (ratio < 1.0 - cliprange) & (advantages < 0)
@@ -538,24 +366,14 @@ def ppo_value_loss(
     mask: torch.Tensor,
     cliprange_value: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped value loss (to minimize).
-
-        v_clipped = old_values + clamp(values - old_values, -eps, eps)
-        loss      = 0.5 * masked_mean(max((values - R)^2, (v_clipped - R)^2), mask)
-        clipfrac  = masked_mean((v_clipped - R)^2 > (values - R)^2, mask)
-
-    ``old_values`` and ``returns`` are treated as constants (detached).
-
-    Args:
-        values: (B, T) value predictions of the current value head (with grad).
-        old_values: (B, T) value predictions at rollout time.
-        returns: (B, T) regression targets, e.g. from ``gae``.
-        mask: (B, T) bool or 0/1 float; True at real response tokens.
-        cliprange_value: epsilon for the value clipping, in the units of the values, e.g. 0.2.
+    """PPO's clipped value loss (to minimize) and clip fraction, scalars, from (B, T) inputs: 0.5 * the masked
+    mean of the larger squared error to ``returns`` of ``values`` and of values kept within
+    ``cliprange_value`` (in the values' units) of ``old_values``.
+    Formulas: docs/trainer.md#ppo_policy_loss-and-ppo_value_loss
 
     Returns:
-        (loss, clipfrac): scalar tensors; ``loss`` keeps the graph w.r.t. ``values``,
-        ``clipfrac`` (fraction of masked tokens where the clipped term was larger) has no grad.
+        (loss, clipfrac): ``loss`` keeps the graph w.r.t. ``values`` (``old_values`` and ``returns`` are
+        detached); ``clipfrac``, the fraction of masked tokens where the clipped term was larger, has no grad.
     """
     assert values.shape == old_values.shape == returns.shape == mask.shape, (
         f"shape mismatch: values {tuple(values.shape)}, old_values {tuple(old_values.shape)}, "
@@ -571,7 +389,7 @@ def ppo_value_loss(
     return loss, clipfrac
 
 
-# -- keyed random numbers: the same sample for an episode whatever process or batch draws it ----------------------
+# -- keyed random numbers: the same sample for an episode whatever process or batch draws it ---------------
 
 _MASK64 = (1 << 64) - 1
 
@@ -591,7 +409,8 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a bijective, well-mixed hash of each value."""
+    """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a bijective, well-mixed hash of each
+    value."""
     x = x + _GOLDEN
     x = (x ^ _shr(x, 30)) * _MIX1
     x = (x ^ _shr(x, 27)) * _MIX2
@@ -607,29 +426,18 @@ def episode_keys(seed: int, update: int, prompt_indices: torch.Tensor, sample: t
 
 
 def keyed_uniform(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """(B,) float64 uniforms in [0, 1) with 53 random bits, a pure function of (key, step): a row draws the same
-    number wherever it is computed (any batch, any process)."""
+    """(B,) float64 uniforms in [0, 1) with 53 random bits, a pure function of (key, step): a row draws the
+    same number wherever it is computed (any batch, any process)."""
     bits = splitmix64(keys ^ _int64(step * 0x2545F4914F6CDD1D))  # (B,)
     return _shr(bits, 11).to(torch.float64) / float(1 << 53)
 
 
 def sample_categorical(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One draw per row from softmax(scores), by inverse CDF: the first token whose cumulative probability
-    exceeds the row's uniform times the total.
-
-        p = softmax(scores);  c_v = sum_{u <= v} p_u  (fp64);  token = min{v : c_v > uniform * c_V}
-
-    One random number per row instead of one per vocabulary entry (the Gumbel-max trick's `log(-log(u))`
-    over a (B, V) draw took ~0.65 ms of a (64, 2048) decoding step on a CPU, this ~0.1 ms). The running sum is
-    in fp64, so every token keeps its fp32 probability to ~1e-13; a token of probability 0 (-inf score, e.g.
-    masked by top-k) is never drawn.
-
-    Args:
-        scores: (B, V) floating tensor (logits, already warped by temperature and truncation).
-        uniform: (B,) floats in [0, 1).
-
-    Returns:
-        (B,) int64 token ids in [0, V).
+    """(B,) int64 token ids, one draw per row from softmax(``scores``) (B, V) (logits already warped by
+    temperature and truncation) by inverse CDF with the row's ``uniform`` (B,) in [0, 1): the first token
+    whose fp64 cumulative probability exceeds uniform times the total. One random number per row instead of
+    one per vocabulary entry; a token of probability 0 (-inf score) is never drawn.
+    Why and numerics: docs/trainer.md#sample_categorical
     """
     probs = torch.softmax(scores.float(), dim=-1)  # (B, V)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # (B, V)
@@ -637,6 +445,6 @@ def sample_categorical(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Ten
     # strictly below the total: the search then always lands on a token of positive probability
     target = torch.minimum(uniform.to(torch.float64)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (B,)
-    # a NaN row (a diverged model) finds no cumulative value above its target: keep its index valid, so the NaN
-    # reaches the log-probs and the loss, where training stops with a named error, instead of an index error here
+    # a NaN row (a diverged model) finds no cumulative value above its target: keep its index valid, so the
+    # NaN reaches the log-probs and the loss, where training stops with a named error, not an index error here
     return index.clamp_(max=scores.shape[-1] - 1)
