@@ -37,6 +37,7 @@ from pathlib import Path
 SERVER_ENV = "RLHF_STAGE_SERVER"  # the socket of the server that runs this run's stages
 PRELOAD = ("torch", "transformers", "mlflow", "peft", "tasks.runner")  # and the stages (tasks.dag.stage_modules)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GPU_DRIVERS = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and ROCm's: no server where either is
 GRACE_S = 30  # after the caller died: how long the stage gets to stop on SIGTERM before SIGKILL
 HEADER = struct.Struct("!I")  # the length of the request's JSON
 
@@ -48,9 +49,10 @@ def serving_stages(log: Path) -> Iterator[str]:
     """Start a stage server for the stages run inside the block and yield its socket (for RLHF_STAGE_SERVER);
     stopped on the way out. It takes stages once it has imported everything (~5 s): the ones before run as
     plain processes, as do all of them if it cannot start. It notes in `log` what it ran and what it refused.
-    Linux only (fork after importing torch is unsafe on macOS): elsewhere it yields "" and every stage runs
-    as a plain process."""
-    if not sys.platform.startswith("linux"):
+    Where forking a process that imported torch is unsafe it yields "" and every stage runs as a plain process:
+    on macOS, and beside a GPU driver (a library that touched the driver before the fork breaks CUDA in the
+    fork; a GPU stage's imports are small beside its work anyway)."""
+    if not sys.platform.startswith("linux") or any(os.path.exists(d) for d in GPU_DRIVERS):
         yield ""
         return
     folder = tempfile.mkdtemp(prefix="rlhf-stages-")
