@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -49,7 +50,7 @@ from flows.overrides import (
 )
 from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
 from flows.progress import forwarded_progress
-from tasks.dag.dvc_yaml import stage_names
+from tasks.dag.dvc_yaml import DVC_YAML, load_stages, stage_names
 from tasks.execution.stage_server import SERVER_ENV, serving_stages
 from tasks.execution.transient import transient_cause
 from tasks.parameters.params import ParamsError, load_params
@@ -138,11 +139,19 @@ def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
                                      key="rlhf-mlflow-run")
 
 
+def _runs_rlhf_stages(root: Path) -> bool:
+    """Whether a stage of the workspace's dvc.yaml runs `rlhf stage` (each cmd a string or a list of them)."""
+    commands = [entry.get("cmd", "") for entry in load_stages(root / DVC_YAML).values()]
+    return any(str(c).startswith("rlhf stage") for cmd in commands for c in (cmd if isinstance(cmd, list) else [cmd]))
+
+
 def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[dict], State | None, set[str]]:
     """Each stage in order until one fails: (results, the failed state or None, stages reached)."""
     results, reached = [], set()
-    # torch, transformers and MLflow imported once for the run's stages, not once per stage
-    with serving_stages(root / LOGS_DIR / "stage_server.log") as server:
+    # torch, transformers and MLflow imported once for the run's stages, not once per stage (a pipeline of other
+    # commands gains nothing from it)
+    warm = serving_stages(root / LOGS_DIR / "stage_server.log") if _runs_rlhf_stages(root) else nullcontext("")
+    with warm as server:
         for name in names:
             if interrupt.received():
                 return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}"), reached
