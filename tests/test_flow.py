@@ -808,12 +808,26 @@ def test_the_temporary_server_starts_beside_the_runs_own_preparation(tmp_path, m
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
     monkeypatch.chdir(tmp_path)
 
+    def servers() -> list[str]:
+        """Our own uvicorn children (by parent pid: a cwd can change under a busy test worker)."""
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == os.getpid() and "uvicorn" in cmdline:
+                found.append(cmdline)
+        return found
+
     def failing():
-        assert [p for p in processes_in(tmp_path) if "uvicorn" in p], "the server starts before `meanwhile` runs"
+        assert servers(), "the server starts before `meanwhile` runs"
         raise RuntimeError("preparation failed")
 
     with pytest.raises(RuntimeError, match="preparation failed"), temporary_server_if_needed(meanwhile=failing):
         pytest.fail("no run without its preparation")
+    assert not servers(), "server left behind"
     assert not [p for p in processes_in(tmp_path) if "uvicorn" in p], "server left behind"
 
 
