@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from tasks.execution.launcher import stop_group
+
 SERVER_ENV = "RLHF_STAGE_SERVER"  # the socket of the server that runs this run's stages
 PRELOAD = ("torch", "transformers", "mlflow", "peft", "tasks.runner")  # and the stages (tasks.dag.stage_modules)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -65,12 +67,7 @@ def serving_stages(log: Path) -> Iterator[str]:
     try:
         yield path
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_group(server, [(signal.SIGTERM, 10), (signal.SIGKILL, 5)])  # its own session: it and any fork left
         Path(path).unlink(missing_ok=True)
         os.rmdir(folder)
 
