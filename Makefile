@@ -58,11 +58,12 @@ run: setup
 
 # Two pytest workers, one test file each at a time (pytest-xdist, --dist loadfile: a file's module fixtures, e.g.
 # its Prefect server or reproduced repo, are built once): most tests wait on subprocesses, servers and files for
-# much of their time, so two overlap on 2 cores. PYTEST_WORKERS=0 runs them in this process, one after another.
+# much of their time, so two overlap on 2 cores. Files go out slowest first (tests/durations.json, kept in its
+# order by --no-loadscope-reorder). PYTEST_WORKERS=0 runs them in this process, one after another.
 PYTEST_WORKERS ?= 2
 test: setup trl116
 	$(BIN)/python -m pytest -m "not gpu and not server and not ui" -n $(PYTEST_WORKERS) --dist loadfile \
-	  --durations=15 $(PYTEST_ARGS)
+	  --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
 test-gpu: setup

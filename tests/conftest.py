@@ -26,6 +26,16 @@ def pytest_configure(config):
         fit_threads()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slowest files first (tests/durations.json, tests/file_durations.py): `make test` hands each worker
+    whole files in this order (`--dist loadfile --no-loadscope-reorder`), so the last files to start are short
+    ones and both workers finish near together. The order within a file stays as written."""
+    from file_durations import load
+
+    seconds = load()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+
+
 TINY_VOCAB = 16
 TARGET_WORD = "w7"
 

@@ -106,3 +106,33 @@ def test_the_trainers_adamw_is_fused_and_steps_as_torchs_per_tensor_one(make_pol
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(fused_model.gpt_neox.layers[0].mlp.dense_h_to_4h.weight,
                            make_policy(0).gpt_neox.layers[0].mlp.dense_h_to_4h.weight), "the weights moved"
+
+
+def test_deepspeed_builds_its_ops_with_this_environments_ninja(monkeypatch, tmp_path):
+    """DeepSpeed JIT-builds ops with the first `ninja` on PATH. With Debian's before the environment's (another
+    version, another build-log format) each launch rebuilt the CPU all-reduce op after the other had: the
+    environment's own goes first, once, keeping the rest of PATH in its order; without one there, PATH stays."""
+    import os
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from rlhf_core.runtime import prefer_this_environments_ninja
+
+    here = Path(sys.executable).parent
+    other = tmp_path / "system-bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other), "/usr/bin", str(here), "/bin"]))
+    assert shutil.which("ninja") == str(other / "ninja")
+    prefer_this_environments_ninja()
+    assert os.environ["PATH"].split(os.pathsep) == [str(here), str(other), "/usr/bin", "/bin"]
+    assert shutil.which("ninja") == str(here / "ninja")
+
+    elsewhere = tmp_path / "python-without-ninja" / "bin"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(elsewhere / "python"))
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other), "/usr/bin"]))
+    prefer_this_environments_ninja()
+    assert os.environ["PATH"] == os.pathsep.join([str(other), "/usr/bin"])
