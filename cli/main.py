@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from enum import Enum
 from pathlib import Path
@@ -84,15 +83,14 @@ def stage(name: Annotated[str, typer.Argument(help="prepare | validate | sft | r
     With runtime.num_processes > 1 or runtime.accelerate_config, sft, reward-model and train relaunch
     themselves on that many processes (torchrun on the CPU, accelerate launch on GPUs).
     """
-    from tasks.execution.launcher import LAUNCHED_ENV
     from tasks.execution.outcome import recorded_outcome
     from tasks.execution.stage_server import run_in_server
     from tasks.runner import end_launched_rank
 
-    if not os.environ.get(LAUNCHED_ENV):  # a flow's warm server runs it when there is one (stage_server.py)
-        status = run_in_server(["stage", name, *_stage_args(profile, overrides)])
-        if status is not None:
-            raise typer.Exit(status)
+    # a flow's warm server runs it when there is one, as it runs a launched stage's ranks (stage_server.py)
+    status = run_in_server(["stage", name, *_stage_args(profile, overrides)])
+    if status is not None:
+        raise typer.Exit(status)
     with recorded_outcome():  # for the flow: whether a retry can fix a failure (tasks/execution/transient.py)
         _stage(name, profile, overrides)
     end_launched_rank()  # a rank that finished leaves without the interpreter's teardown

@@ -72,6 +72,27 @@ def test_a_stage_in_the_server_writes_the_same_bytes_and_says_the_same(server, t
         assert (plain / relative).read_bytes() == (warm / relative).read_bytes(), relative
 
 
+def test_a_launched_stages_ranks_run_in_the_server_too(server, tmp_path):
+    """`rlhf stage sft --profile cpu-ddp`: the server runs the stage, its torchrun starts 2 ranks, and each rank's
+    `rlhf stage` hands itself to the server in turn (no rank imports torch again); the model is the bytes of the
+    same launch without a server."""
+    path, log = server
+    plain, warm = workspace(tmp_path / "plain"), workspace(tmp_path / "warm")
+    for root in (plain, warm):
+        shutil.copytree(REPO / "profiles", root / "profiles")
+        assert stage(root, "prepare").returncode == 0
+    alone, served = (stage(plain, "sft", "--profile", "cpu-ddp"),
+                     stage(warm, "sft", "--profile", "cpu-ddp", server=path))
+    assert alone.returncode == served.returncode == 0, alone.stderr[-2000:] + served.stderr[-2000:]
+    started = [line.split(": ", 1)[1] for line in log.read_text().splitlines() if f" in {warm}: pid " in line]
+    ranks = sorted(note.split(" in ")[0].rsplit(" ", 2)[-2:][1] for note in started if " rank " in note)
+    assert ranks == ["0", "1"] and len(started) == 3, started  # the stage, then its two ranks
+    metrics = json.loads(served.stdout[served.stdout.index("{"):])
+    assert metrics["num_processes"] == 2, metrics
+    model = "models/sft/model.safetensors"
+    assert (plain / model).read_bytes() == (warm / model).read_bytes()
+
+
 def test_the_exit_status_and_the_message_come_back(server, tmp_path):
     path, log = server
     root = workspace(tmp_path / "ws")

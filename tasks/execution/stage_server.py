@@ -7,7 +7,11 @@ its command line, working directory, environment and standard streams to the ser
 waits. The server forks a supervisor, which forks the stage: it takes the caller's cwd, environment and
 streams and runs the `rlhf` command with them. Its exit status goes back to the caller, which exits with it.
 
-The caller stays the process DVC and the flow see: a signal it receives is forwarded to the stage, and if the
+A stage launched on several processes is served twice over: the server runs the stage, whose launcher
+(torchrun, accelerate) starts the ranks, and each rank's `rlhf stage` hands itself to the server in turn, so a
+rank too starts with everything imported instead of importing it again (~5 s per rank).
+
+The caller stays the process DVC, the flow and a launcher see: a signal it receives is forwarded to the stage, and if the
 caller dies (kill -9) the supervisor stops the stage (SIGTERM, then SIGKILL after a grace). Forking is safe
 because the server only imports: it refuses to fork once a thread runs or its code changed on disk (a stage
 must run the code DVC hashed), and the caller then runs the stage itself, as it does whenever the server
@@ -37,6 +41,7 @@ from pathlib import Path
 from tasks.execution.launcher import stop_group
 
 SERVER_ENV = "RLHF_STAGE_SERVER"  # the socket of the server that runs this run's stages
+SERVED_ENV = "RLHF_SERVED_PID"  # set in a served stage: the process the server runs (its ranks hand on again)
 PRELOAD = ("torch", "transformers", "mlflow", "peft", "tasks.runner")  # and the stages (tasks.dag.stage_modules)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GPU_DRIVERS = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and ROCm's: no server where either is
@@ -78,7 +83,7 @@ def run_in_server(argv: Sequence[str]) -> int | None:
     """Run `rlhf <argv>` in the server RLHF_STAGE_SERVER names, with this process's cwd, environment and
     streams; its exit status, or None when there is no server to take it (the caller runs it itself)."""
     path = os.environ.get(SERVER_ENV)
-    if not path:
+    if not path or os.environ.get(SERVED_ENV) == str(os.getpid()):  # no server, or this is the served process
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -189,6 +194,8 @@ def _supervise(conn: socket.socket) -> None:
         conn.sendall(b"+")
         argv = request["argv"]
         command = " ".join(["rlhf", *argv[:2]]) + (f" (+{len(argv) - 2} arguments)" if len(argv) > 2 else "")
+        if "RANK" in request["env"]:  # a launched stage's rank
+            command += f" rank {request['env']['RANK']}"
         _note(f"{command} in {request['cwd']}: pid {stage}")
         status = _wait(conn, stage)
         _note(f"{command}: pid {stage} exited {status}")
@@ -246,7 +253,7 @@ def _run(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ.pop(SERVER_ENV)  # this process runs the stage: `rlhf stage` here must not hand it on again
+    os.environ[SERVED_ENV] = str(os.getpid())  # `rlhf stage` here runs it (its launched ranks hand on again)
     sys.argv = ["rlhf", *request["argv"]]
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
