@@ -176,11 +176,15 @@ def test_docker_gpu_template_requests_gpus_and_shared_memory():
 
 
 def test_process_template_and_generated_templates_are_current():
+    from prefect.server.api.server import SubprocessASGIServer
     from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
     template = _template("process.json")
     assert template["job_configuration"] == ProcessWorker.get_default_base_job_template()["job_configuration"]
-    config = asyncio.run(ProcessJobConfiguration.from_template_and_values(template, _defaults(template)))
+    try:  # resolving the template asks a Prefect API: with none configured, Prefect starts a temporary server
+        config = asyncio.run(ProcessJobConfiguration.from_template_and_values(template, _defaults(template)))
+    finally:  # stopped here, not at exit: after two full `make test` runs, one this test had started still ran
+        SubprocessASGIServer().stop()
     assert config.env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
     import importlib.util
 
