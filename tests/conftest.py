@@ -95,6 +95,32 @@ def target_fraction(prompts: list[str], completions: list[str]) -> list[float]:
     return [c.split().count(TARGET_WORD) / max(len(c.split()), 1) for c in completions]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_stage_server(tmp_path_factory):
+    """Every `rlhf stage` a test starts as a process runs in this worker's warm stage server, as a flow's stages
+    do (tasks/execution/stage_server.py): ~5 s of imports saved per stage process, ~100 of them in `make test`.
+    The worker itself is marked as the served process, so a stage it runs in process (CliRunner) stays here.
+    Tests of the plain process (kill -9, process groups) take `plain_stages`; a stage started before the server
+    is ready runs plain."""
+    from tasks.execution.stage_server import SERVED_ENV, SERVER_ENV, serving_stages
+
+    with serving_stages(tmp_path_factory.mktemp("stage-server") / "stage_server.log") as path:
+        mp = pytest.MonkeyPatch()
+        if path:
+            mp.setenv(SERVER_ENV, path)
+            mp.setenv(SERVED_ENV, str(os.getpid()))
+        yield path
+        mp.undo()
+
+
+@pytest.fixture
+def plain_stages(monkeypatch):
+    """`rlhf stage` processes of this test run themselves, not in the warm stage server."""
+    from tasks.execution.stage_server import SERVER_ENV
+
+    monkeypatch.delenv(SERVER_ENV, raising=False)
+
+
 @pytest.fixture(scope="session")
 def mlflow_db_template(tmp_path_factory):
     """An empty MLflow sqlite store, created once: its migrations take ~10 s, a copy takes none."""

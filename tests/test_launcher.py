@@ -135,7 +135,8 @@ def test_train_stage_on_two_processes(workspace):
 
 
 @pytest.mark.slow
-def test_a_failing_rank_fails_the_stage_with_its_error_and_leaves_no_process(workspace):
+def test_a_failing_rank_fails_the_stage_with_its_error_and_leaves_no_process(workspace, plain_stages):
+    # plain: the launcher and its ranks in the stage's own process group, where the check looks
     for name in ("prepare", "validate"):
         invoke("stage", name, *[x for item in TINY for x in ("--set", item)])
     proc = stage_train(workspace, LAYOUTS[2])  # no SFT policy yet: every rank fails to load it

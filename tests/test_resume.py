@@ -17,6 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+# a real kill -9 of the stage process, and a sitecustomize it imports at start: never the warm stage server
+pytestmark = pytest.mark.usefixtures("plain_stages")
+
 BIN = Path(sys.executable).parent
 SETTINGS = ["train.total_episodes=384", "train.response_length=16", "train.checkpoint_every=1",
             "train.trace_every=0", "prepare.max_prompt_tokens=16"]  # 6 updates of 64 episodes

@@ -47,7 +47,7 @@ def workspace(root: Path) -> Path:
 
 
 def stage(root: Path, name: str, *args: str, server: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RLHF_TRACKING": "off", **({SERVER_ENV: server} if server else {})}
+    env = {**os.environ, "RLHF_TRACKING": "off", SERVER_ENV: server or ""}  # none: a plain process
     return subprocess.run([RLHF, "stage", name, *SETS, *args], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
 
