@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 import time
 from enum import Enum
 from pathlib import Path
@@ -355,13 +357,21 @@ app.command()(sweep)  # rlhf sweep --grid train.kl_coef=...: the pipeline over a
 
 
 def main() -> None:
-    from transformers.utils import logging as hf_logging
-
     from tasks.tracking.progress import quiet_libraries
 
     quiet_libraries()
+    # per-file "Loading weights" bars drown the pipeline's own output. Said through the environment, which
+    # transformers reads when it is imported: importing it here cost every command ~0.5 s, `rlhf stage` handing
+    # itself to a warm stage server too. Where it is imported already (in that server), said to it directly.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # per-file "Loading weights" bars drown the pipeline's own output
+        hf_logging.disable_progress_bar()
+    elif "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     app()
 
 

@@ -101,10 +101,15 @@ def _warm_stage_server(tmp_path_factory):
     do (tasks/execution/stage_server.py): ~5 s of imports saved per stage process, ~100 of them in `make test`.
     The worker itself is marked as the served process, so a stage it runs in process (CliRunner) stays here.
     Tests of the plain process (kill -9, process groups) take `plain_stages`; a stage started before the server
-    is ready runs plain."""
+    is ready runs plain. A pytest that a test starts (the GPU check's dry run) uses its caller's server."""
+    from contextlib import nullcontext
+
     from tasks.execution.stage_server import SERVED_ENV, SERVER_ENV, serving_stages
 
-    with serving_stages(tmp_path_factory.mktemp("stage-server") / "stage_server.log") as path:
+    inherited = os.environ.get(SERVER_ENV, "")
+    warm = nullcontext(inherited) if os.path.exists(inherited) else serving_stages(
+        tmp_path_factory.mktemp("stage-server") / "stage_server.log")
+    with warm as path:
         mp = pytest.MonkeyPatch()
         if path:
             mp.setenv(SERVER_ENV, path)

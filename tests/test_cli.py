@@ -161,3 +161,34 @@ def test_params_diff_tells_a_live_runs_overrides_from_an_interrupted_ones(tmp_pa
     assert "base.seed: 0 -> 5" in interrupted.output
     assert CliRunner().invoke(app, ["params", "reset"]).exit_code == 0
     assert (tmp_path / "params.yaml").read_text() == committed
+
+
+# `rlhf` as its console script runs it, in a fresh interpreter: main() then the command, and what it left behind
+MAIN_THEN = """import sys
+from cli.main import main
+sys.argv = ["rlhf", *sys.argv[1:]]
+try:
+    main()
+except SystemExit:
+    pass
+imported = "transformers" in sys.modules
+from transformers.utils import logging
+print(imported, logging.is_progress_bar_enabled())
+"""
+
+
+@pytest.mark.parametrize("preimported", [False, True], ids=["plain", "imported-before"])
+def test_transformers_progress_bars_are_off_without_importing_it_at_start(preimported):
+    """Every `rlhf` command keeps transformers' per-file bars out of the pipeline's output, yet a command that never
+    needs transformers (`rlhf params --help`; `rlhf stage` handing itself to a warm stage server) does not import it
+    (~0.5 s); where it is imported already (the stage server's forks) it is told directly."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import transformers\n" if preimported else "") + MAIN_THEN
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    out = subprocess.run([sys.executable, "-c", script, "params", "--help"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == f"{preimported} False", out.stdout[-2000:]
