@@ -38,7 +38,19 @@ from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
 from rlhf_core import ops
 from rlhf_core.kv_cache import CACHE, GrowingCache
-from rlhf_core.rollout import distinct_prompts, position_ids, prefill_shared_prompts, reading_last
+from rlhf_core.prompt_attention import (
+    SharedPrompts,
+    attending_shared_prompts,
+    in_order_of_appearance,
+    supports_shared_prompts,
+)
+from rlhf_core.rollout import (
+    distinct_prompts,
+    position_ids,
+    prefill_distinct_prompts,
+    prefill_shared_prompts,
+    reading_last,
+)
 
 GRAPH_PROMPT_BUCKET = 64
 """Under `graphs`, prompts are left-padded to a multiple of this: one captured graph per bucket of prompt widths,
@@ -158,6 +170,15 @@ class Forwards:
         self.model, self.queries, self.query_mask = model, queries, query_mask
         self.prompt_length = P
         capacity = P + response_length
+        self.groups = distinct_prompts(queries, query_mask)
+        self.graphs = graphs and model not in _EAGER_AFTER_FAILURE
+        self.shared: SharedPrompts | None = None  # set by the prefill where rows attend to shared prompts
+        self.sharing = not graphs and self.groups is not None and supports_shared_prompts(model, capacity)
+        # response token t sits at position (the row's real prompt tokens) + t, as `cumsum(mask) - 1` gives
+        self.positions = query_mask.long().sum(1, keepdim=True) + torch.arange(response_length, device=queries.device)
+        if self.sharing:  # the cache holds the completions only; the prompts' K and V stay with the prefill
+            self.cache, self.forward = GrowingCache(response_length), model
+            return
         mask = torch.cat([query_mask.bool(), query_mask.new_ones(B, response_length, dtype=torch.bool)], dim=1)
         if getattr(model.config, "_attn_implementation", None) != "sdpa":
             self.masks = mask.long()  # (B, P + R): transformers builds each step's mask from it
@@ -170,17 +191,20 @@ class Forwards:
             # layer per step to convert; (..., B, 1, 1, P + R), a growing cache reading its first P + t + 1
             self.masks = torch.zeros(mask.shape, dtype=_attention_dtype(model, queries.device), device=mask.device)
             self.masks = self.masks.masked_fill_(~mask, torch.finfo(self.masks.dtype).min)[..., None, None, :]
-        # response token t sits at position (the row's real prompt tokens) + t, as `cumsum(mask) - 1` gives
-        self.positions = query_mask.long().sum(1, keepdim=True) + torch.arange(response_length, device=queries.device)
-        self.graphs = graphs and model not in _EAGER_AFTER_FAILURE
         self.cache = static_cache(model, B, capacity, queries.device) if graphs else GrowingCache(capacity)
         self.forward = compiled_step(model, **(compile_options or {})) if self.graphs else model
 
     def prefill(self) -> Tensor:
         """The prompts' forward, filling the cache: the (B, V) logits of each row's last prompt position."""
-        queries, query_mask = self.queries, self.query_mask
-        groups = distinct_prompts(queries, query_mask)
+        queries, query_mask, groups = self.queries, self.query_mask, self.groups
         with reading_last(self.model, 1):  # the last layer's MLP on the one position read
+            if self.sharing:
+                first, inverse = in_order_of_appearance(groups)
+                prompts = prefill_distinct_prompts(self.model, queries, query_mask, first, reads=1, logits_to_keep=1,
+                                                   **{CACHE: DynamicCache()})
+                self.shared = SharedPrompts.from_prefill(getattr(prompts, CACHE), query_mask[first], inverse,
+                                                         _attention_dtype(self.model, queries.device))
+                return prompts.logits[inverse, -1]
             if groups is None:
                 out = self.model(input_ids=queries, attention_mask=query_mask.long(),
                                  position_ids=position_ids(query_mask), use_cache=True, logits_to_keep=1,
@@ -207,6 +231,8 @@ class Forwards:
         return self._step(self.model, tokens, t)
 
     def _step(self, forward: Callable, tokens: Tensor, t: int) -> Tensor:
+        if self.shared is not None:
+            return self._shared_step(tokens, t)
         static = not isinstance(self.cache, GrowingCache)
         if self.masks.dim() == 5:
             mask = self.masks[t]  # (B, 1, 1, P + R)
@@ -218,6 +244,19 @@ class Forwards:
                       use_cache=True, logits_to_keep=1, **{CACHE: self.cache})
         # a graph's output lives in memory its next replay overwrites: copied out (B x V, once per step)
         return out.logits[:, -1].to(torch.float32, copy=True) if forward is not self.model else out.logits[:, -1]
+
+    def _shared_step(self, tokens: Tensor, t: int) -> Tensor:
+        """A step whose attention reads each prompt's K and V once (rlhf_core/prompt_attention.py)."""
+        shared = self.shared
+        shared.attended.clear()
+        with attending_shared_prompts(self.model):
+            out = self.model(input_ids=tokens[:, None], attention_mask=shared.mask,
+                             position_ids=self.positions[:, t:t + 1], use_cache=True, logits_to_keep=1,
+                             shared_prompts=shared, **{CACHE: self.cache})
+        if t == 0 and len(shared.attended) != len(shared.keys):  # a layer that attended otherwise saw no prompt
+            raise RuntimeError(f"decode: {len(shared.attended)} of the {len(shared.keys)} layers of "
+                               f"{type(self.model).__name__} attended through the shared-prompt attention")
+        return out.logits[:, -1]
 
     def _fall_back(self, error: Exception, t: int) -> None:
         """The compiled step failed: one warning per model, then eager steps on the same static cache, rewound to

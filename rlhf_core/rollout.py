@@ -201,14 +201,19 @@ def prefill_shared_prompts(model: nn.Module, queries: Tensor, query_mask: Tensor
                            *, reads: int, **kwargs):
     """The forward of each distinct prompt once (n rows) and its KV cache copied to the B rows that share it:
     (the prompts' output, read at its last `reads` positions only; the (B, ...) cache)."""
-    first, inverse = groups
+    prompts = prefill_distinct_prompts(model, queries, query_mask, groups[0], reads=reads, **kwargs)
+    cache = getattr(prompts, CACHE)
+    cache.reorder_cache(groups[1])  # (n, ...) -> (B, ...)
+    return prompts, cache
+
+
+def prefill_distinct_prompts(model: nn.Module, queries: Tensor, query_mask: Tensor, first: Tensor, *, reads: int,
+                             **kwargs):
+    """The forward of the distinct prompts `first` (n rows), read at their last `reads` positions only."""
     mask = query_mask[first]
     with reading_last(model, reads):
-        prompts = model(input_ids=queries[first], attention_mask=mask, position_ids=position_ids(mask),
-                        use_cache=True, **kwargs)
-    cache = getattr(prompts, CACHE)
-    cache.reorder_cache(inverse)  # (n, ...) -> (B, ...)
-    return prompts, cache
+        return model(input_ids=queries[first], attention_mask=mask, position_ids=position_ids(mask), use_cache=True,
+                     **kwargs)
 
 
 # Decoders whose layers end in a position-wise `mlp` (dense, one output tensor): `reading_last` may cut their last

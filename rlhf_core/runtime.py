@@ -21,6 +21,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch import nn
 
+from rlhf_core.allocator import keep_freed_memory
 from rlhf_core.config import RuntimeConfig
 from rlhf_core.models import disable_dropout
 
@@ -216,6 +217,7 @@ class Runtime:
     def __init__(self, cfg: RuntimeConfig, gradient_accumulation_steps: int = 1):
         check(cfg)
         self.cfg = cfg
+        keep_freed_memory()  # each step reuses the pages the last one freed (allocator.py)
         if device_of(cfg) == "cpu":  # DeepSpeed (probed by transformers at load) would warn that it found no GPU
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         # under a launcher, accelerate's env (ACCELERATE_MIXED_PRECISION, the DeepSpeed plugin) is the truth

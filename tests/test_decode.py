@@ -20,7 +20,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from conftest import TINY_VOCAB
 from rlhf_core import ops
 from rlhf_core.batching import pad
-from rlhf_core.decode import GRAPH_PROMPT_BUCKET, TokenChoice, decode, graphs_available
+from rlhf_core.decode import GRAPH_PROMPT_BUCKET, Forwards, TokenChoice, decode, graphs_available
+from rlhf_core.prompt_attention import SHARED_PROMPT_MODELS, supports_shared_prompts
+from rlhf_core.rollout import position_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from generate_path import generate_responses  # noqa: E402
@@ -113,6 +115,59 @@ def test_the_loop_ends_when_every_row_has_stopped():
     assert last_stop < R - 2, "every row stopped early"
     assert (tokens[:, last_stop + 1:] == PAD).all()
     assert forwards == [queries.shape[1]] + [1] * last_stop, "the prefill, then a step per token until the last stop"
+
+
+def shared_prompt_rows(layout: str):
+    """"grouped": 3 prompts x 4 samples side by side, as a rollout lays them out; "scattered": 4 rows of one
+    prompt among 6 others, in shuffled order (groups of unequal size, not side by side)."""
+    if layout == "grouped":
+        queries, query_mask = left_padded_prompts(n=3, seed=7)
+        return queries.repeat_interleave(4, dim=0), query_mask.repeat_interleave(4, dim=0)
+    queries, query_mask = left_padded_prompts(n=10, shared=4, seed=8)
+    order = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    return queries[order], query_mask[order]
+
+
+@pytest.mark.parametrize("layout", ["grouped", "scattered"])
+@pytest.mark.parametrize("model_type", sorted(SHARED_PROMPT_MODELS))
+def test_completions_of_a_shared_prompt_read_its_keys_and_values_once(model_type, layout):
+    """Rows that share a prompt: the KV cache holds the completions' tokens only, every layer attends through the
+    shared-prompt attention (rlhf_core/prompt_attention.py), and each step's logits are the model's own forward
+    over [prompt | completion so far], without a cache, to rounding."""
+    model = tiny(model_type)
+    queries, query_mask = shared_prompt_rows(layout)
+    forwards = Forwards(model, queries, query_mask, response_length=R, graphs=False)
+    assert forwards.sharing
+    keys = torch.arange(len(queries)) * 13
+    logits, tokens = forwards.prefill(), []
+    for t in range(R):
+        tokens.append(ops.sample_categorical(logits.float() / 0.7, ops.keyed_uniform(keys, t)))
+        sequence = torch.cat([queries, torch.stack(tokens, dim=1)], dim=1)
+        mask = torch.cat([query_mask, torch.ones(len(queries), t + 1, dtype=torch.bool)], dim=1)
+        logits = forwards.step(tokens[-1], t)
+        with torch.no_grad():
+            reference = model(input_ids=sequence, attention_mask=mask.long(), position_ids=position_ids(mask)).logits
+        torch.testing.assert_close(logits, reference[:, -1], rtol=0, atol=1e-5)
+    assert forwards.cache.get_seq_length() == R, "the cache holds the completions, not the prompts"
+    assert len(forwards.shared.attended) == model.config.num_hidden_layers
+    assert (forwards.shared.slots is None) == (layout == "grouped")
+    assert model.config._attn_implementation == "sdpa", "the model's own attention is back after each step"
+
+
+def test_shared_prompt_attention_is_left_to_the_models_it_fits():
+    """Other attention implementations, a sliding window shorter than prompt plus completion, and architectures
+    not checked against `generate` keep the plain cache."""
+    assert supports_shared_prompts(tiny("llama"), 64)
+    eager = AutoModelForCausalLM.from_config(tiny_decoder_config("llama"), attn_implementation="eager")
+    assert not supports_shared_prompts(eager, 64)
+    windowed = tiny_decoder_config("qwen2")
+    windowed.use_sliding_window, windowed.sliding_window = True, 16
+    assert not supports_shared_prompts(AutoModelForCausalLM.from_config(windowed), 64)
+    assert supports_shared_prompts(AutoModelForCausalLM.from_config(windowed), 16)
+    assert not supports_shared_prompts(AutoModelForCausalLM.from_config(tiny_decoder_config("gemma")), 64)
+    queries, query_mask = left_padded_prompts(n=4)
+    assert not Forwards(tiny("llama"), queries, query_mask, response_length=R, graphs=False).sharing, \
+        "no two rows share a prompt"
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "llama"])

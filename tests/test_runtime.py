@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_trainer import tiny_config
@@ -136,3 +142,37 @@ def test_deepspeed_builds_its_ops_with_this_environments_ninja(monkeypatch, tmp_
     monkeypatch.setenv("PATH", os.pathsep.join([str(other), "/usr/bin"]))
     prefer_this_environments_ninja()
     assert os.environ["PATH"] == os.pathsep.join([str(other), "/usr/bin"])
+
+
+HEAP = """
+import ctypes
+import torch
+from rlhf_core.allocator import keep_freed_memory
+keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.sbrk.restype = ctypes.c_void_p
+activations = [torch.empty(1_000_000) for _ in range(12)]  # 12 x 4 MB, as one step's
+from_heap = all(t.data_ptr() < libc.sbrk(0) for t in activations)  # mappings lie above the heap's end
+end = libc.sbrk(0)
+del activations
+print(from_heap, libc.sbrk(0) == end)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_a_runtime_keeps_the_memory_its_steps_free_instead_of_handing_it_back():
+    """A Runtime's process reuses the pages the last step freed (rlhf_core/allocator.py): a step's 4 MB tensors
+    come from the heap, and freeing them leaves the heap as large as it was, where glibc's defaults map each with
+    a mapping of its own, unmapped when freed, to be faulted in again by the next step (bench-tiny's GRPO update:
+    16-20k page faults). RLHF_KEEP_FREED_MEMORY=0 leaves the defaults."""
+    from rlhf_core import allocator
+
+    Runtime(RuntimeConfig(device="cpu"))
+    assert allocator._kept, "building a Runtime sets the thresholds"
+
+    def heap(**env) -> str:
+        return subprocess.run([sys.executable, "-c", HEAP], capture_output=True, text=True, check=True,
+                              env={**os.environ, **env}, cwd=Path(__file__).resolve().parents[1]).stdout.split()
+
+    assert heap() == ["True", "True"]
+    assert heap(RLHF_KEEP_FREED_MEMORY="0") == ["False", "True"]
