@@ -39,6 +39,7 @@ from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 from rlhf_core import ops
 from rlhf_core.kv_cache import CACHE, GrowingCache
 from rlhf_core.prompt_attention import (
+    SharedPromptCache,
     SharedPrompts,
     attending_shared_prompts,
     in_order_of_appearance,
@@ -168,7 +169,7 @@ class Forwards:
                  compile_options: dict | None = None):
         B, P = queries.shape
         self.model, self.queries, self.query_mask = model, queries, query_mask
-        self.prompt_length = P
+        self.prompt_length, self.response_length = P, response_length
         capacity = P + response_length
         self.groups = distinct_prompts(queries, query_mask)
         self.graphs = graphs and model not in _EAGER_AFTER_FAILURE
@@ -176,8 +177,8 @@ class Forwards:
         self.sharing = not graphs and self.groups is not None and supports_shared_prompts(model, capacity)
         # response token t sits at position (the row's real prompt tokens) + t, as `cumsum(mask) - 1` gives
         self.positions = query_mask.long().sum(1, keepdim=True) + torch.arange(response_length, device=queries.device)
-        if self.sharing:  # the cache holds the completions only; the prompts' K and V stay with the prefill
-            self.cache, self.forward = GrowingCache(response_length), model
+        if self.sharing:  # the prefill makes the cache: each prompt once, its completions beside it
+            self.forward = model
             return
         mask = torch.cat([query_mask.bool(), query_mask.new_ones(B, response_length, dtype=torch.bool)], dim=1)
         if getattr(model.config, "_attn_implementation", None) != "sdpa":
@@ -202,8 +203,9 @@ class Forwards:
                 first, inverse = in_order_of_appearance(groups)
                 prompts = prefill_distinct_prompts(self.model, queries, query_mask, first, reads=1, logits_to_keep=1,
                                                    **{CACHE: DynamicCache()})
-                self.shared = SharedPrompts.from_prefill(getattr(prompts, CACHE), query_mask[first], inverse,
-                                                         _attention_dtype(self.model, queries.device))
+                self.shared = SharedPrompts.of(query_mask[first], inverse, self.response_length,
+                                               _attention_dtype(self.model, queries.device))
+                self.cache = SharedPromptCache(getattr(prompts, CACHE), self.shared, self.response_length)
                 return prompts.logits[inverse, -1]
             if groups is None:
                 out = self.model(input_ids=queries, attention_mask=query_mask.long(),
@@ -246,15 +248,17 @@ class Forwards:
         return out.logits[:, -1].to(torch.float32, copy=True) if forward is not self.model else out.logits[:, -1]
 
     def _shared_step(self, tokens: Tensor, t: int) -> Tensor:
-        """A step whose attention reads each prompt's K and V once (rlhf_core/prompt_attention.py)."""
+        """A step whose attention reads each prompt's K and V once (rlhf_core/prompt_attention.py); the mask handed
+        to the model is only there to be passed on as it is (a 4-D one), the attention reads the layout's."""
         shared = self.shared
         shared.attended.clear()
         with attending_shared_prompts(self.model):
             out = self.model(input_ids=tokens[:, None], attention_mask=shared.mask,
                              position_ids=self.positions[:, t:t + 1], use_cache=True, logits_to_keep=1,
                              shared_prompts=shared, **{CACHE: self.cache})
-        if t == 0 and len(shared.attended) != len(shared.keys):  # a layer that attended otherwise saw no prompt
-            raise RuntimeError(f"decode: {len(shared.attended)} of the {len(shared.keys)} layers of "
+        layers = len(self.cache.layers)
+        if t == 0 and len(shared.attended) != layers:  # a layer that attended otherwise read another layout
+            raise RuntimeError(f"decode: {len(shared.attended)} of the {layers} layers of "
                                f"{type(self.model).__name__} attended through the shared-prompt attention")
         return out.logits[:, -1]
 

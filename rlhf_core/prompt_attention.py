@@ -1,20 +1,22 @@
-"""Decode-step attention that reads a shared prompt's keys and values once per prompt, not once per completion.
+"""Decode steps whose attention reads a shared prompt's keys and values once per prompt, not once per completion.
 
-RLOO and GRPO sample k completions of each prompt. The decode loop prefills each distinct prompt once, and a
-plain KV cache then copies the prompt's keys and values to all k rows: every step's attention reads them k times.
-On a CPU that read is the step's cost: bench-tiny's GRPO (8 completions of 48-token prompts, 64 rows, 4 layers)
-holds 4.7 MB of K and V per layer, and its decode attention took a third of the rollout, memory-bound.
+RLOO and GRPO sample k completions of each prompt. A plain KV cache copies the prompt's keys and values to all k
+rows, and every decode step's attention reads them k times. On a CPU that read is the step's cost: bench-tiny's
+GRPO (8 completions of 48-token prompts, 64 rows, 4 layers) held 4.7 MB of K and V per layer, and its decode
+attention took a third of the rollout, memory-bound.
 
-Here the cache keeps only the completions' tokens (B rows), and the prompts' keys and values stay as the
-prefill made them (n rows, one per distinct prompt). A step's queries are laid out by prompt, (n, heads, k, D),
-so one matmul per prompt scores them against its keys; the completion part is per row; one softmax over both
-joins them (the prompt's left padding masked). The same attention to rounding: the sums run in another order
-than SDPA's kernel, so a sampled token moves only where a draw falls within rounding of a boundary.
+Here the cache keeps one buffer per layer and prompt, (n, kv_heads, P + R·k, D): the prompt's K and V as the
+prefill made them, then the k completions' tokens side by side, step after step (token t of completion j at
+P + t·k + j). A step writes one slab, and its attention is one SDPA call per layer with the k queries of each
+prompt together, (n, heads, k, D), over the first P + (t+1)·k positions: the prompt once, and each completion's
+tokens, a mask hiding the other completions' (and the prompt's left padding). The same attention to rounding
+(SDPA sums in another order over another layout), checked step by step against the model's own forward.
 
-The model's attention modules reach this function through transformers' attention interface, switched to it
-for the step (`attending_shared_prompts`), with the prompts handed down as the `shared_prompts` keyword, which
-transformers passes to each layer's attention. Used for the model types in `SHARED_PROMPT_MODELS` (checked
-against `generate` in tests/test_decode.py), with SDPA attention and no sliding window.
+The model's attention modules reach `shared_prompt_attention` through transformers' attention interface,
+switched to it for the step (`attending_shared_prompts`), with the layout handed down as the `shared_prompts`
+keyword, which transformers passes to each layer's attention. Used for the model types in
+`SHARED_PROMPT_MODELS` (checked against `generate` in tests/test_decode.py), with SDPA attention and no sliding
+window shorter than prompt plus completion.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 ATTENTION = "rlhf_shared_prompts"
 SHARED_PROMPT_MODELS = frozenset({"gpt2", "gpt_neox", "llama", "qwen2"})
@@ -45,56 +48,6 @@ def supports_shared_prompts(model: nn.Module, capacity: int) -> bool:
     return window is None or window >= capacity
 
 
-@dataclass
-class SharedPrompts:
-    """The distinct prompts' keys and values and how the B completion rows map onto them.
-
-    keys, values: one (n, kv_heads, P, D) tensor per layer, as the prefill's cache holds them.
-    mask: (n, 1, 1, P) additive, the prompts' left padding at the dtype's lowest.
-    slots: (B,) each row's place in an (n x width) grid, prompt by prompt; None where the rows already are that
-           grid (the k samples of each prompt next to each other, every prompt with `width` of them).
-    """
-
-    keys: list[Tensor]
-    values: list[Tensor]
-    mask: Tensor
-    slots: Tensor | None
-    width: int
-    attended: set[int] = field(default_factory=set)  # the layers that attended through us in the last step
-
-    @classmethod
-    def from_prefill(cls, cache: DynamicCache, prompt_mask: Tensor, prompt_of_row: Tensor,
-                     dtype: torch.dtype) -> SharedPrompts:
-        """From the prefill's cache of the n distinct prompts (`prompt_mask` (n, P)) and the distinct prompt of
-        each row (B,)."""
-        n, rows = len(prompt_mask), len(prompt_of_row)
-        counts = torch.bincount(prompt_of_row, minlength=n)
-        width = int(counts.max())
-        grouped = n * width == rows and torch.equal(prompt_of_row, torch.arange(n, device=prompt_of_row.device).repeat_interleave(width))
-        slots = None
-        if not grouped:  # the j-th row of prompt p goes to slot p * width + j
-            order = torch.argsort(prompt_of_row, stable=True)
-            starts = torch.cumsum(counts, 0) - counts
-            rank = torch.empty_like(prompt_of_row)
-            rank[order] = torch.arange(rows, device=order.device) - starts[prompt_of_row[order]]
-            slots = prompt_of_row * width + rank
-        mask = torch.zeros(prompt_mask.shape, dtype=dtype, device=prompt_mask.device)
-        mask = mask.masked_fill_(~prompt_mask.bool(), torch.finfo(dtype).min)[:, None, None, :]
-        return cls([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers], mask,
-                   slots, width)
-
-    def to_grid(self, rows: Tensor) -> Tensor:
-        """(B, ...) per row → (n * width, ...) per slot (empty slots zero)."""
-        if self.slots is None:
-            return rows
-        grid = rows.new_zeros((len(self.mask) * self.width, *rows.shape[1:]))
-        grid[self.slots] = rows
-        return grid
-
-    def to_rows(self, grid: Tensor) -> Tensor:
-        return grid if self.slots is None else grid[self.slots]
-
-
 def in_order_of_appearance(groups: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """`rollout.distinct_prompts`' (first row of each prompt, prompt of each row) with the prompts numbered as
     they first appear (`torch.unique` sorts them by content): a rollout's k samples side by side then need no
@@ -106,24 +59,99 @@ def in_order_of_appearance(groups: tuple[Tensor, Tensor]) -> tuple[Tensor, Tenso
     return first[order], number[inverse]
 
 
-def _by_prompt(x: Tensor, n: int) -> Tensor:
-    """(n * k, kv_heads, g, X) by row → (n, kv_heads, k * g, X): each prompt's queries side by side."""
-    _, heads, g, width = x.shape
-    return x.view(n, -1, heads, g, width).transpose(1, 2).reshape(n, heads, -1, width)
+@dataclass
+class SharedPrompts:
+    """Where each of the B rows sits among the n prompts' completions, and what each step may see.
+
+    slots: (B,) each row's place p·width + j (its prompt p, its rank j among that prompt's rows); None where the
+           rows already are in that order (the k samples of each prompt side by side, each prompt with `width`).
+    mask: (n, 1, width, P + R·width) additive: completion j of a prompt sees the prompt's real tokens and its own
+          tokens; the dtype's lowest elsewhere (the other completions, the left padding, an empty slot's tokens).
+    """
+
+    slots: Tensor | None
+    width: int
+    prompt_length: int
+    mask: Tensor
+    attended: set[int] = field(default_factory=set)  # the layers that attended through us in the last step
+
+    @classmethod
+    def of(cls, prompt_mask: Tensor, prompt_of_row: Tensor, response_length: int, dtype: torch.dtype) -> SharedPrompts:
+        """For the n distinct prompts (`prompt_mask` (n, P)) and the distinct prompt of each row (B,)."""
+        (n, P), rows, device = prompt_mask.shape, len(prompt_of_row), prompt_of_row.device
+        counts = torch.bincount(prompt_of_row, minlength=n)
+        width = int(counts.max())
+        grouped = n * width == rows and torch.equal(prompt_of_row,
+                                                    torch.arange(n, device=device).repeat_interleave(width))
+        slots = None
+        if not grouped:  # the j-th row of prompt p goes to slot p * width + j
+            order = torch.argsort(prompt_of_row, stable=True)
+            starts = torch.cumsum(counts, 0) - counts
+            rank = torch.empty_like(prompt_of_row)
+            rank[order] = torch.arange(rows, device=device) - starts[prompt_of_row[order]]
+            slots = prompt_of_row * width + rank
+        own = torch.eye(width, dtype=torch.bool, device=device).repeat(1, response_length)  # (width, R·width)
+        seen = torch.cat([prompt_mask.bool()[:, None, :].expand(n, width, P), own.expand(n, -1, -1)], dim=2)
+        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, torch.finfo(dtype).min)
+        return cls(slots, width, P, mask[:, None])
+
+    def to_grid(self, rows: Tensor) -> Tensor:
+        """(B, ...) per row → (n · width, ...) per slot (empty slots zero)."""
+        if self.slots is None:
+            return rows
+        grid = rows.new_zeros((len(self.mask) * self.width, *rows.shape[1:]))
+        grid[self.slots] = rows
+        return grid
+
+    def to_rows(self, grid: Tensor) -> Tensor:
+        return grid if self.slots is None else grid[self.slots]
 
 
-def _by_row(x: Tensor, kv_heads: int, g: int) -> Tensor:
-    """The inverse of `_by_prompt`."""
-    n, _, _, width = x.shape
-    return x.view(n, kv_heads, -1, g, width).transpose(1, 2).reshape(-1, kv_heads, g, width)
+class SharedPromptLayer(DynamicLayer):
+    """One layer's keys and values: (n, kv_heads, P + R·width, D) buffers holding each prompt once, then its
+    completions' tokens side by side, step after step. `keys`/`values` are views of the positions written."""
+
+    def __init__(self, prompt_keys: Tensor, prompt_values: Tensor, layout: SharedPrompts, response_length: int):
+        super().__init__()
+        n, heads, P, D = prompt_keys.shape
+        # zeros, not empty: an empty slot's positions are masked, and a masked NaN would still poison the sum
+        self._buffers = tuple(prompt.new_zeros(n, heads, P + response_length * layout.width, D)
+                              for prompt in (prompt_keys, prompt_values))
+        self._buffers[0][:, :, :P].copy_(prompt_keys)
+        self._buffers[1][:, :, :P].copy_(prompt_values)
+        self.layout, self.steps = layout, 0
+        self.lazy_initialization(prompt_keys, prompt_values)
+        self.keys, self.values = (buffer[:, :, :P] for buffer in self._buffers)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write one step's (B, kv_heads, 1, D) keys and values as the slab of step `steps`."""
+        layout, n = self.layout, len(self.layout.mask)
+        start = layout.prompt_length + self.steps * layout.width
+        end = start + layout.width
+        for buffer, states in zip(self._buffers, (key_states, value_states), strict=True):
+            grid = layout.to_grid(states[:, :, 0])  # (n · width, kv_heads, D)
+            buffer[:, :, start:end].copy_(grid.view(n, layout.width, *grid.shape[1:]).transpose(1, 2))
+        self.steps += 1
+        self.keys, self.values = (buffer[:, :, :end] for buffer in self._buffers)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.layout.prompt_length + self.steps  # each row's own tokens
+
+
+class SharedPromptCache(Cache):
+    """The decode steps' cache, made from the prefill's cache of the n distinct prompts."""
+
+    def __init__(self, prefill: DynamicCache, layout: SharedPrompts, response_length: int):
+        super().__init__(layers=[SharedPromptLayer(layer.keys, layer.values, layout, response_length)
+                                 for layer in prefill.layers])
 
 
 def shared_prompt_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                             attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             shared_prompts: SharedPrompts | None = None, **kwargs) -> tuple[Tensor, None]:
-    """One decode step's attention: `query` (B, heads, 1, D) over its prompt's keys and values (`shared_prompts`)
-    and over `key`/`value` (B, kv_heads, T, D), the completion tokens so far, this step's included. Returns
-    (B, 1, heads, D) as transformers' attention functions do."""
+    """One decode step's attention: `query` (B, heads, 1, D) over `key`/`value` (n, kv_heads, L, D), a
+    `SharedPromptLayer`'s positions so far. Returns (B, 1, heads, D) as transformers' attention functions do."""
     if shared_prompts is None:
         raise RuntimeError(f"attention '{ATTENTION}' is only for the decode steps of rlhf_core.decode, which pass "
                            "`shared_prompts`")
@@ -132,21 +160,16 @@ def shared_prompt_attention(module: nn.Module, query: Tensor, key: Tensor, value
         raise ValueError(f"shared-prompt attention: unsupported for this model's attention ({sorted(unsupported)}, "
                          f"sliding_window={kwargs.get('sliding_window')}, dropout={dropout}, "
                          f"{query.shape[2]} query tokens)")
-    layer = module.layer_idx
-    prompt_keys, prompt_values = shared_prompts.keys[layer], shared_prompts.values[layer]  # (n, kv_heads, P, D)
-    n, kv_heads, P, D = prompt_keys.shape
-    B, heads = query.shape[:2]
-    g = heads // kv_heads  # query heads per key/value head
-    scale = D ** -0.5 if scaling is None else scaling
-    query = query.reshape(B, kv_heads, g, D) * scale
-    prompt_scores = _by_prompt(shared_prompts.to_grid(query), n) @ prompt_keys.transpose(-1, -2)
-    prompt_scores = shared_prompts.to_rows(_by_row(prompt_scores + shared_prompts.mask, kv_heads, g))
-    scores = torch.cat([prompt_scores, query @ key.transpose(-1, -2)], dim=-1)  # (B, kv_heads, g, P + T)
-    weights = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
-    on_prompt = _by_prompt(shared_prompts.to_grid(weights[..., :P].contiguous()), n) @ prompt_values
-    out = shared_prompts.to_rows(_by_row(on_prompt, kv_heads, g)) + weights[..., P:] @ value  # (B, kv_heads, g, D)
-    shared_prompts.attended.add(layer)
-    return out.reshape(B, 1, heads, D), None
+    layout = shared_prompts
+    n, kv_heads, length, D = key.shape
+    heads = query.shape[1]
+    if heads != kv_heads:  # grouped-query attention: each key/value head serves heads // kv_heads query heads
+        key, value = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (key, value))
+    grid = layout.to_grid(query[:, :, 0])  # (n · width, heads, D)
+    queries = grid.view(n, layout.width, heads, D).transpose(1, 2)  # (n, heads, width, D): a prompt's together
+    out = F.scaled_dot_product_attention(queries, key, value, attn_mask=layout.mask[..., :length], scale=scaling)
+    layout.attended.add(module.layer_idx)
+    return layout.to_rows(out.transpose(1, 2).reshape(n * layout.width, heads, D))[:, None], None
 
 
 AttentionInterface.register(ATTENTION, shared_prompt_attention)

@@ -131,9 +131,9 @@ def shared_prompt_rows(layout: str):
 @pytest.mark.parametrize("layout", ["grouped", "scattered"])
 @pytest.mark.parametrize("model_type", sorted(SHARED_PROMPT_MODELS))
 def test_completions_of_a_shared_prompt_read_its_keys_and_values_once(model_type, layout):
-    """Rows that share a prompt: the KV cache holds the completions' tokens only, every layer attends through the
-    shared-prompt attention (rlhf_core/prompt_attention.py), and each step's logits are the model's own forward
-    over [prompt | completion so far], without a cache, to rounding."""
+    """Rows that share a prompt: the KV cache holds each prompt once, every layer attends through the shared-prompt
+    attention (rlhf_core/prompt_attention.py), and each step's logits are the model's own forward over
+    [prompt | completion so far], without a cache, to rounding."""
     model = tiny(model_type)
     queries, query_mask = shared_prompt_rows(layout)
     forwards = Forwards(model, queries, query_mask, response_length=R, graphs=False)
@@ -148,7 +148,10 @@ def test_completions_of_a_shared_prompt_read_its_keys_and_values_once(model_type
         with torch.no_grad():
             reference = model(input_ids=sequence, attention_mask=mask.long(), position_ids=position_ids(mask)).logits
         torch.testing.assert_close(logits, reference[:, -1], rtol=0, atol=1e-5)
-    assert forwards.cache.get_seq_length() == R, "the cache holds the completions, not the prompts"
+    keys = forwards.cache.layers[0].keys  # (n, kv_heads, P + R x width, D): each prompt once
+    distinct = len(torch.unique(torch.cat([queries, query_mask], dim=1), dim=0))
+    assert keys.shape[0] == distinct < len(queries)
+    assert keys.shape[2] == queries.shape[1] + R * forwards.shared.width
     assert len(forwards.shared.attended) == model.config.num_hidden_layers
     assert (forwards.shared.slots is None) == (layout == "grouped")
     assert model.config._attn_implementation == "sdpa", "the model's own attention is back after each step"
