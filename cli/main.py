@@ -69,7 +69,8 @@ def bench(algo: Annotated[Algo, typer.Option(help="Policy-gradient algorithm to 
     for phase, seconds in result["phases_s"].items():
         table.add_row(f"{phase} s/update (median)", f"{seconds:.4g}")
     for key in ("objective/scores", "objective/kl"):
-        table.add_row(key, f"{result['metrics'][key]:.4g}")
+        if key in result["metrics"]:  # GRPO at beta 0 has no reference, so no KL to it
+            table.add_row(key, f"{result['metrics'][key]:.4g}")
     Console().print(table)
 
 

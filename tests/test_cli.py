@@ -28,6 +28,14 @@ def test_bench_json(algo):
         assert "loss/value_avg" in report["metrics"]
 
 
+def test_bench_table_shows_what_the_algorithm_measures():
+    """The table (no --json) for GRPO at TRL's defaults: beta 0 loads no reference, so there is no KL to show."""
+    result = CliRunner().invoke(app, ["bench", "--algo", "grpo", "--updates", "1"])
+    assert result.exit_code == 0, result.output
+    assert "episodes_per_s" in result.output and "objective/scores" in result.output
+    assert "objective/kl" not in result.output
+
+
 def test_bench_rejects_unknown_algo():
     result = CliRunner().invoke(app, ["bench", "--algo", "dpo"])
     assert result.exit_code != 0 and "dpo" in result.output
