@@ -16,6 +16,7 @@ Usage: python zero3_rollout.py OUT (writes OUT.pt and, on 2 ranks, OUT.json)
 """
 
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -119,3 +120,9 @@ def decoded_as_generate(trainer: RLTrainer, prompts: list[list[int]]) -> bool:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # every output is written and the group is gone: leave as a launched stage does (tasks/runner.py
+    # end_launched_rank), without the interpreter's teardown, where gloo's and DeepSpeed's C++ objects freed in no
+    # set order still aborted a finished rank now and then ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
