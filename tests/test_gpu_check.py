@@ -33,15 +33,16 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     for case in ("ppo", "rloo"):
         for dtype in ("float32", "bfloat16"):
             assert all(a["within_tolerance"] for a in decode[case]["agreement"][dtype].values()), (case, dtype)
-    # every side ran and was timed: ours with decode_graphs off and auto, TRL 1.9.0 (PPO, RLOO) and 1.16.0 (RLOO)
+    # every side ran and was timed: ours with decode_graphs off and auto, TRL 1.9.0 (PPO, RLOO) and 1.16.0 (RLOO, GRPO)
     assert {(r["algo"], r["side"]) for r in report["vs_trl_runs"]} == {
         ("ppo", "ours"), ("ppo", "ours_graphs"), ("ppo", "trl"),
-        ("rloo", "ours"), ("rloo", "ours_graphs"), ("rloo", "trl"), ("rloo", "trl116")}
+        ("rloo", "ours"), ("rloo", "ours_graphs"), ("rloo", "trl"), ("rloo", "trl116"),
+        ("grpo", "ours"), ("grpo", "ours_graphs"), ("grpo", "trl116")}
     assert not report["vs_trl_failed"]
     assert {r["version"] for r in report["vs_trl_runs"] if r["side"].startswith("trl")} == {"trl 1.9.0", "trl 1.16.0"}
-    for algo in ("ppo", "rloo"):
+    for algo, peer in (("ppo", "trl"), ("rloo", "trl"), ("grpo", "trl116")):
         row = report["vs_trl"][algo]
-        assert all(row[side]["episodes_per_s"] > 0 for side in ("ours", "ours_graphs", "trl"))
+        assert all(row[side]["episodes_per_s"] > 0 for side in ("ours", "ours_graphs", peer))
         assert set(row["ours"]["phases_s"]) >= {"rollout", "score", "update"}
     outcomes = report["gpu_test_outcomes"]
     assert len(outcomes) == 8 and set(outcomes.values()) == {"passed"}, outcomes
@@ -59,4 +60,4 @@ def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
         report["targets"]
     assert report["targets"]["approxkl_lr0_bf16_max"]["holds"]
     markdown = (tmp_path / "gpu_check.md").read_text()
-    assert "| ppo |" in markdown and "| rloo |" in markdown and "all stages passed" in markdown
+    assert all(f"| {algo} |" in markdown for algo in ("ppo", "rloo", "grpo")) and "all stages passed" in markdown
