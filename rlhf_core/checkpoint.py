@@ -71,6 +71,8 @@ def save_checkpoint(directory: Path, accelerator: Accelerator, state: TrainerSta
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash
         tmp.mkdir(parents=True)  # before any rank writes its shard into it (DeepSpeed saves on every rank)
     accelerator.wait_for_everyone()
+    # a rank whose directory is its node's own (Ray workers on other machines) writes its shards to its own copy
+    tmp.mkdir(parents=True, exist_ok=True)
     try:
         _write_checkpoint(tmp, accelerator, state, cfg, sampler, ref_policy)
     except Exception as err:  # a full disk is an OSError from Python's writes, a RuntimeError from torch.save's
@@ -83,13 +85,20 @@ def save_checkpoint(directory: Path, accelerator: Accelerator, state: TrainerSta
                                  f"{f'the previous one, {kept[-1].name}, is kept' if kept else 'none kept yet'}: "
                                  "free space and run again to resume from it") from err
     if accelerator.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(directory)[:-cfg.keep_checkpoints]:
-            shutil.rmtree(old)
+        _keep(tmp, final, directory, cfg.keep_checkpoints)
     accelerator.wait_for_everyone()
+    if tmp.exists():  # this rank's own copy (node-local): the main process renamed a shared one already
+        _keep(tmp, final, directory, cfg.keep_checkpoints)
     return final
+
+
+def _keep(tmp: Path, final: Path, directory: Path, keep: int) -> None:
+    """Move a complete save into place and drop all but the newest `keep` checkpoints."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(directory)[:-keep]:
+        shutil.rmtree(old)
 
 
 def _write_checkpoint(tmp: Path, accelerator: Accelerator, state: TrainerState, cfg: RLConfig,

@@ -538,6 +538,23 @@ class RuntimeConfig(_Frozen):
     accelerate_config: str | None = None
     """An accelerate config file (infra/accelerate/*.yaml: multi-GPU, DeepSpeed ZeRO-2/3); set, the stage
     relaunches itself under `accelerate launch --config_file`."""
+    launcher: Literal["local", "ray"] = "local"
+    """'local': the ranks run on this machine (torchrun / accelerate launch). 'ray': the stage process is a Ray
+    driver and its `num_processes` ranks run as a Ray Train worker group on the cluster at `ray_address`, inputs
+    and outputs travelling through `ray_storage` (tasks/execution/ray_launch.py)."""
+    ray_address: str | None = None
+    """The Ray cluster: 'HOST:PORT' of its GCS (this machine is one of its nodes) or 'ray://HOST:10001' (Ray
+    Client); None: the RAY_ADDRESS environment variable."""
+    ray_storage: str | None = None
+    """Where the cluster's nodes meet the stage's files: a path every node mounts, or s3://BUCKET/PREFIX (S3
+    credentials and endpoint from each node's environment). None: RLHF_RAY_STORAGE."""
+    ray_cpus_per_worker: float = Field(1.0, gt=0)
+    """CPUs each rank reserves on the cluster."""
+    ray_gpus_per_worker: float | None = Field(None, ge=0)
+    """GPUs each rank reserves; None: 1 when runtime.device is cuda (or auto and the cluster has GPUs), else 0."""
+    ray_max_failures: int = Field(1, ge=0)
+    """How many times a worker group that lost a rank (or its node) restarts from the last checkpoint before the
+    stage fails; each restart resumes, none starts over."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -548,6 +565,9 @@ class RuntimeConfig(_Frozen):
     def _check(self) -> RuntimeConfig:
         if self.mixed_precision == "fp16" and self.device == "cpu":
             raise ValueError("mixed_precision fp16 needs a CUDA device (the CPU has bf16 autocast: use bf16)")
+        if self.launcher == "ray" and self.num_machines > 1:
+            raise ValueError("runtime.num_machines is for the local launcher (one command per machine); on Ray the "
+                             "cluster places runtime.num_processes ranks on its nodes: leave num_machines at 1")
         if self.num_machines > self.num_processes:
             raise ValueError(f"num_machines {self.num_machines} > num_processes {self.num_processes}: every "
                              "machine runs at least one process")
@@ -555,5 +575,12 @@ class RuntimeConfig(_Frozen):
 
     @property
     def launched(self) -> bool:
-        """Whether the stage runs under a launcher (more than one process, or an accelerate config)."""
-        return self.num_processes > 1 or self.accelerate_config is not None
+        """Whether the stage runs under a launcher (more than one process, an accelerate config, or Ray)."""
+        return self.num_processes > 1 or self.accelerate_config is not None or self.launcher == "ray"
+
+    @property
+    def checkpoint_layout(self) -> dict:
+        """The settings a training checkpoint's format depends on: a checkpoint resumes under any launcher (a
+        2-rank DDP checkpoint is the same written through torchrun or Ray), never under another layout."""
+        return self.model_dump(mode="json", exclude={"launcher", "ray_address", "ray_storage", "ray_cpus_per_worker",
+                                                     "ray_gpus_per_worker", "ray_max_failures"})

@@ -72,6 +72,7 @@ class RLTrainer:
         self.monitors = dict(monitors or {})  # scored and logged as monitor/<name>, never trained on
         self.tracker = tracker or NullTracker()
         self.on_update = on_update
+        self.on_checkpoint: Callable[[Path], None] | None = None  # every rank, after each checkpoint is complete
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.state = TrainerState()
         self.weight_gathers = 0  # ZeRO-3: how often the sharded policy was gathered whole (once per rollout)
@@ -137,7 +138,9 @@ class RLTrainer:
                 self.on_update(self, batch, episode_stats)
             if self.checkpoint_dir and checkpoint.checkpoint_due(self.state.update, self.plan.num_updates,
                                                                  self.cfg.checkpoint_every):
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
+                if self.on_checkpoint is not None:
+                    self.on_checkpoint(saved)
         return history
 
     # ------------------------------------------------------------------ the phases

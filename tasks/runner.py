@@ -17,7 +17,7 @@ from pathlib import Path
 from rlhf_core.threads import fit_threads
 from tasks.dag.stage_modules import STAGES
 from tasks.execution.figures import write_execution
-from tasks.execution.launcher import LAUNCHED_ENV, is_main_process
+from tasks.execution.launcher import LAUNCHED_ENV, MODEL_STAGES, is_main_process
 from tasks.parameters.params import load_params
 from tasks.parameters.paths import Paths
 from tasks.tracking.stage_tracking import track_stage
@@ -38,12 +38,18 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
     check_stage_name(name)
     threads = fit_threads()  # before any torch work: this stage's share of the cores (rlhf_core/threads.py)
     params = load_params(root, profile, list(overrides))
-    module = importlib.import_module(STAGES[name])
+    if on_ray(params.runtime, name):  # this process is the driver; the ranks run this function on the cluster
+        from tasks.execution.ray_launch import run_stage_on_ray
+
+        def stage_run(params, paths) -> dict:
+            return run_stage_on_ray(name, paths.root, params, profile, list(overrides))
+    else:
+        stage_run = importlib.import_module(STAGES[name]).run
 
     def work() -> dict:
         start = time.perf_counter()
         paths = Paths.at(root)
-        metrics = {**module.run(params, paths), "stage_seconds": time.perf_counter() - start, "threads": threads}
+        metrics = {**stage_run(params, paths), "stage_seconds": time.perf_counter() - start, "threads": threads}
         if is_main_process():  # seconds and the like: printed, in MLflow, in reports/execution/, never in DVC's outputs
             write_execution(paths, name, metrics)
         return metrics
@@ -54,6 +60,11 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
         metrics = track_stage(name, root, params, work, overrides)  # an MLflow run per stage, unless RLHF_TRACKING=off
     leave_process_group()
     return metrics
+
+
+def on_ray(runtime, name: str) -> bool:
+    """Whether this process drives stage `name`'s ranks on a Ray cluster (and is not one of them)."""
+    return runtime.launcher == "ray" and name in MODEL_STAGES and not os.environ.get(LAUNCHED_ENV)
 
 
 def leave_process_group() -> None:

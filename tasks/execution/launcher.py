@@ -17,7 +17,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf_core.config import RuntimeConfig
@@ -30,6 +31,26 @@ MODEL_STAGES = ("sft", "reward-model", "inspect", "train", "evaluate")
 GRACE_S = 30  # after SIGTERM, how long the ranks get to exit before SIGKILL
 
 
+_checkpoint_listeners: list[Callable[[Path], None]] = []
+
+
+@contextmanager
+def on_checkpoint(listener: Callable[[Path], None]) -> Iterator[None]:
+    """Inside the block, call `listener(checkpoint_dir)` on this rank after each checkpoint the stage completes (the
+    Ray launcher persists it to the cluster's storage: tasks/execution/ray_launch.py)."""
+    _checkpoint_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _checkpoint_listeners.remove(listener)
+
+
+def checkpoint_saved(path: Path) -> None:
+    """What a stage calls on every rank once a checkpoint is complete."""
+    for listener in _checkpoint_listeners:
+        listener(path)
+
+
 def is_main_process() -> bool:
     """Rank 0 of a launched stage, or the only process of a plain one (torchrun and accelerate set RANK)."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -40,6 +61,11 @@ def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) ->
     when the stage runs in this process (one process, no accelerate config, a stage that runs no model, or
     already launched)."""
     if not runtime.launched or stage not in MODEL_STAGES or os.environ.get(LAUNCHED_ENV):
+        return None
+    if runtime.launcher == "ray":  # the stage process is the Ray driver (tasks/runner.py): the cluster must answer
+        from tasks.execution.ray_launch import check_cluster
+
+        check_cluster(runtime)
         return None
     from rlhf_core.runtime import check, device_of  # torch + accelerate: only when launching
 

@@ -39,6 +39,7 @@ from tasks.data.datasets import read_split
 from tasks.demo_world.gold_wiring import gold_fn
 from tasks.execution.errors import StageFailed
 from tasks.execution.figures import results
+from tasks.execution.launcher import checkpoint_saved
 from tasks.parameters.params import Params
 from tasks.parameters.paths import Paths
 from tasks.tracking.progress import ProgressTracker, progress_bar
@@ -211,7 +212,7 @@ def run(params: Params, paths: Paths) -> dict:
     runtime = Runtime(params.runtime, gradient_accumulation_steps=cfg.gradient_accumulation_steps)
     acc, main = runtime.accelerator, runtime.accelerator.is_main_process
     # a checkpoint's format depends on the layout (processes, DeepSpeed): resume only on the same runtime
-    inputs = {**cfg.model_dump(mode="json"), "runtime": params.runtime.model_dump(mode="json")}
+    inputs = {**cfg.model_dump(mode="json"), "runtime": params.runtime.checkpoint_layout}
     if params.train.reward_funcs is not None:  # other reward sources: a checkpoint made with others is not resumed
         inputs["reward_sources"] = params.train.model_dump(mode="json", include={"reward_funcs", "reward_weights"})
     if params.train.use_peft:  # an adapter's checkpoint holds other parameters than a full model's
@@ -232,6 +233,7 @@ def run(params: Params, paths: Paths) -> dict:
                 stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
     trainer, tokenizer = build_trainer(params, paths, runtime, tracker=tracker, checkpoint_dir=paths.checkpoints)
     trainer.on_update = _trace_writer(params, tokenizer, paths.checkpoints / TRACE_DIR)  # called on the main rank
+    trainer.on_checkpoint = checkpoint_saved  # every rank: a Ray rank persists it to the cluster's storage
     if checkpoint is not None:
         trainer.load_checkpoint(checkpoint)
     total = trainer.plan.num_updates
