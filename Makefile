@@ -70,14 +70,15 @@ test-gpu: setup
 	$(BIN)/python -m pytest -m gpu -s $(PYTEST_ARGS)
 
 # The server stack live on loopback (docs/scaling-out.md): the server extra, PostgreSQL from Debian packages if
-# missing, then infra/stack.sh up ... down inside tests/test_server.py and the load test tests/test_load.py (and the
-# infra/ checks with their extras).
+# missing, then infra/stack.sh up ... down inside tests/test_server.py, the pipeline on the stack's Ray cluster
+# tests/test_server_ray.py and the load test tests/test_load.py (and the infra/ checks with their extras).
 test-server: setup
 	test -x $(BIN)/uv && $(UV) -e ".[server]" || $(PIP) -e ".[server]"
 	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || \
 	  { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get install -y -q postgresql || \
 	    { $$SUDO apt-get update -q && $$SUDO apt-get install -y -q postgresql; }; }
-	$(BIN)/python -m pytest -s $(PYTEST_ARGS) tests/test_infra.py tests/test_server.py tests/test_load.py
+	$(BIN)/python -m pytest -s $(PYTEST_ARGS) tests/test_infra.py tests/test_server.py tests/test_server_ray.py \
+	  tests/test_load.py
 
 # The Prefect and MLflow UIs and DVC's plots page in headless Chromium (tests/test_ui.py, marker `ui`): the ui extra
 # (selenium), Debian's chromium and chromium-driver if missing; screenshots of each page in reports/ui/.

@@ -103,6 +103,13 @@ def check_run_inputs(params: Params, root: str | Path, overrides: list[str]) -> 
     if errors:
         raise ParamsError("invalid parameters for this run:\n  " + "\n  ".join(errors))
     check_lora_settings(params, root, planned=True)  # before sft and reward-model spend minutes
+    if params.runtime.launcher == "ray":  # a cluster that does not answer fails the run, not its first model stage
+        from tasks.execution.ray_launch import ClusterUnreachable, check_cluster
+
+        try:
+            check_cluster(params.runtime)
+        except ClusterUnreachable as err:
+            raise ParamsError(str(err)) from None
 
 
 def _looks_local(source: str) -> bool:

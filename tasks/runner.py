@@ -20,7 +20,7 @@ from tasks.execution.figures import write_execution
 from tasks.execution.launcher import LAUNCHED_ENV, MODEL_STAGES, is_main_process
 from tasks.parameters.params import load_params
 from tasks.parameters.paths import Paths
-from tasks.tracking.stage_tracking import track_stage
+from tasks.tracking.stage_tracking import log_history, track_stage
 
 
 class UnknownStage(ValueError):
@@ -42,7 +42,10 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
         from tasks.execution.ray_launch import run_stage_on_ray
 
         def stage_run(params, paths) -> dict:
-            return run_stage_on_ray(name, paths.root, params, profile, list(overrides))
+            metrics = run_stage_on_ray(name, paths.root, params, profile, list(overrides), run_rank=run_stage)
+            if name == "train":  # its ranks ran untracked: every update's figures go to this process's MLflow run
+                log_history(paths.train_log)
+            return metrics
     else:
         stage_run = importlib.import_module(STAGES[name]).run
 

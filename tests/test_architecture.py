@@ -18,6 +18,7 @@ ONLY_IN = {  # third-party packages and the only layers that may import them
     "mlflow": {"tasks", "flows", "cli"},
     "dvc": {"tasks", "flows"},
     "great_expectations": {"tasks"},
+    "ray": {"tasks"},  # tasks/execution/ray_launch.py alone (test_only_the_ray_launcher_imports_ray)
 }
 
 
@@ -120,11 +121,23 @@ def test_every_dvc_stage_is_one_module_of_the_stages_folder_named_as_it():
 
 @pytest.mark.parametrize("module", ["rlhf_core", "tasks.stages.train", "tasks.runner"])
 def test_importing_the_library_and_the_stages_never_loads_the_orchestration(module):
-    """A stage process loads neither Prefect nor the CLI (checked at run time, in a fresh interpreter)."""
+    """A stage process loads neither Prefect nor the CLI, nor Ray unless its runtime asks for it (checked at run
+    time, in a fresh interpreter)."""
     import subprocess
     import sys
 
     code = (f"import sys, importlib; importlib.import_module({module!r}); "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'cli')))")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'flows', 'cli', 'ray')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_only_the_ray_launcher_imports_ray():
+    """Ray is an optional extra: one module imports it, and only a stage whose runtime asks for Ray imports that."""
+    importers = sorted(str(path.relative_to(ROOT)) for layer in LAYERS for path in (ROOT / layer).rglob("*.py")
+                       if any(module.split(".")[0] == "ray" for _, module in imports(path)))
+    assert importers == ["tasks/execution/ray_launch.py"]
+    tree = ast.parse((ROOT / "tasks" / "execution" / "ray_launch.py").read_text())
+    assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                and any((a.name if isinstance(n, ast.Import) else n.module or "").split(".")[0] == "ray"
+                        for a in n.names)], "ray is imported inside the functions that use it"

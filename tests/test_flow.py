@@ -112,16 +112,20 @@ def in_process_api(prefect_api):
 @pytest.fixture
 def pipeline_repo(tmp_path, mlflow_db_template):
     """The repo's pipeline on the TINY world in a fresh git + DVC repo, with an MLflow store ready."""
+    return build_pipeline_repo(tmp_path, mlflow_db_template)
+
+
+def build_pipeline_repo(path: Path, mlflow_db_template: Path) -> Path:
     for item in ("dvc.yaml", ".gitignore", "prefect.yaml"):
-        shutil.copy(REPO / item, tmp_path / item)
+        shutil.copy(REPO / item, path / item)
     for package in ("rlhf_core", "tasks", "flows"):
-        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / package, path / package, ignore=shutil.ignore_patterns("__pycache__"))
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for item in TINY:
         params = deep_merge(params, parse_override(item))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
-    return git_dvc_repo(tmp_path)
+    (path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    shutil.copy(mlflow_db_template, path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
+    return git_dvc_repo(path)
 
 
 @pytest.fixture

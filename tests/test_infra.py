@@ -2,7 +2,8 @@
 
 - infra/docker-compose.yml against the Compose Specification's JSON schema (infra/schemas/compose-spec.json, from
   compose-spec/compose-spec), plus `docker compose config` / `docker-compose config` where one is installed;
-  every port bound to 127.0.0.1 by default, health checks, named volumes, no secret in the file;
+  every port bound to 127.0.0.1 by default, health checks, named volumes, no secret in the file; the Ray nodes
+  and the Prefect worker (their driver) read the token from a Compose secret's file, only the dashboard published;
 - the work-pool templates through the workers' own job configurations (prefect, prefect-docker,
   prefect-kubernetes: what a worker does with them), the Kubernetes Job against the Kubernetes API models (every
   field a known field of its type: a dry validation without a cluster), and the Docker GPU request;
@@ -68,6 +69,26 @@ def test_compose_file_matches_the_compose_spec_schema():
     for key, value in _compose_env().items():
         if "PASSWORD" in key or "SECRET" in key or "AUTH" in key:
             assert value not in raw, key
+
+
+def test_compose_ray_nodes_hold_the_token_as_a_file_and_publish_only_the_dashboard():
+    """Every Ray node, and the Prefect worker whose flow runs drive the cluster, run with token auth and read the
+    token from the Compose secret's file: never an environment value or an argument (`ps` and `docker inspect`
+    show those). Only the dashboard is published; GCS and raylets stay on the Compose network."""
+    compose = yaml.safe_load(_interpolate((INFRA / "docker-compose.yml").read_text(), _compose_env()))
+    services, token = compose["services"], _compose_env()["RAY_AUTH_TOKEN"]
+    assert compose["secrets"]["ray_auth_token"] == {"environment": "RAY_AUTH_TOKEN"}
+    for name in ("ray-head", "ray-worker", "prefect-worker"):
+        service = services[name]
+        env = service["environment"]
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN_PATH"] == "/run/secrets/ray_auth_token", name
+        assert "RAY_AUTH_TOKEN" not in env and "ray_auth_token" in service["secrets"], name
+        assert env["AWS_ENDPOINT_URL"] == "http://s3:9000" and env["AWS_SECRET_ACCESS_KEY"], name
+        assert token not in json.dumps(service), name
+    assert services["prefect-worker"]["environment"]["RLHF_RAY_STORAGE"] == "s3://rlhf-ray/runs"
+    assert "ray start --address=ray-head:6379 --num-cpus=0" in services["prefect-worker"]["command"][-1]
+    assert services["ray-head"]["ports"] == ["127.0.0.1:8265:8265"] and "ports" not in services["ray-worker"]
+    assert "rlhf-ray" in services["buckets"]["command"][-1]
 
 
 def test_compose_file_refuses_to_start_without_credentials():

@@ -89,21 +89,23 @@ def parse_exports(text: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """infra/stack.sh up on free ports with its own state folder; down at the end (no process left)."""
+    """infra/stack.sh up on free ports with its own state folder; down at the end (no process left). The Ray nodes
+    keep their default loopback addresses (127.0.0.2, 127.0.0.3): a cluster is told apart by its ports."""
     import tempfile
 
     # outside pytest's tmp folders (mode 700): as root, Postgres runs as `postgres` and must reach its data dir
     state = Path(tempfile.mkdtemp(prefix="rlhf-stack-"))
     os.chmod(state, 0o755)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "RLHF_", "AWS_"))}
-    ports = dict(zip(("RLHF_PG_PORT", "RLHF_S3_PORT", "RLHF_PREFECT_PORT", "RLHF_MLFLOW_PORT"), map(str, free_ports(4)),
-                     strict=True))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "RLHF_", "AWS_", "RAY_"))}
+    names = ("RLHF_PG_PORT", "RLHF_S3_PORT", "RLHF_PREFECT_PORT", "RLHF_MLFLOW_PORT", "RLHF_RAY_PORT",
+             "RLHF_RAY_CLIENT_PORT", "RLHF_RAY_DASHBOARD_PORT")
+    ports = dict(zip(names, map(str, free_ports(len(names))), strict=True))
     env = {**base, "RLHF_STACK_DIR": str(state), **ports,
            "RLHF_ZOMBIE_AFTER_S": str(ZOMBIE_AFTER_S), **OUTAGE_ENV}
     try:
         up = sh(STACK, "up", env=env, timeout=900)
         again = sh(STACK, "up", env=env, timeout=300)  # idempotent: everything is already running
-        assert again.stdout.count("already running") == 5, again.stdout
+        assert again.stdout.count("already running") == 7, again.stdout
         client = parse_exports(sh(STACK, "env", env=env).stdout)
         yield {"env": env, "client": {**base, **client, "DVC_NO_ANALYTICS": "1", "PATH": f"{BIN}:{base['PATH']}"},
                "state": state, "up": up.stdout}
@@ -116,9 +118,20 @@ def stack(tmp_path_factory):
 
         left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         assert not left, f"processes left after down: {left}"
+        # nor any process of their sessions (the Ray nodes' workers have process groups of their own)
+        left = [p.pid for p in psutil.process_iter(["status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+                and _session(p.pid) in pids]
+        assert not left, f"processes of the stack's sessions left after down: {left}"
         status = sh(STACK, "status", env=env).stdout
         shutil.rmtree(state, ignore_errors=True)
         assert "running" not in status, status
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:  # gone meanwhile
+        return None
 
 
 def make_repo(path: Path, tiny: list[str], extra: tuple[str, ...] = ()) -> Path:

@@ -15,7 +15,8 @@ from typing import Any
 from rlhf_core.jsonio import write_json
 from tasks.parameters.paths import Paths
 
-EXECUTION_KEYS = frozenset({"eps", "train_seconds", "stage_seconds", "resumed_from_update", "threads"})
+EXECUTION_KEYS = frozenset({"eps", "train_seconds", "stage_seconds", "resumed_from_update", "threads",
+                            "ray"})  # a Ray launch: the cluster and where each rank ran
 EXECUTION_PREFIXES = ("time/", "gpu/")
 
 

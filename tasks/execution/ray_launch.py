@@ -11,8 +11,8 @@ The driver stays where the DVC workspace is. It
    the process group Ray set up; each checkpoint the stage completes is reported to Ray Train, every rank its own
    files (a ZeRO shard stays with its rank), so a worker group that lost a rank or a node restarts from it
    (`runtime.ray_max_failures` times);
-4. lands rank 0's outputs in the workspace, each whole before it replaces the old one, and replays the per-update
-   metrics into the stage's MLflow run, which the driver alone holds (the ranks run untracked).
+4. lands rank 0's outputs in the workspace, each whole before it replaces the old one; the stage's MLflow run is the
+   driver's alone (the ranks run untracked), and the runner replays train's per-update metrics into it.
 
 A stage that fails for good brings its last checkpoint home (checkpoints/), so the next run, on Ray or not, resumes
 from it; Ctrl-C or a cancel disconnects the driver, and Ray stops the job's workers on every node with it.
@@ -25,18 +25,22 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from rlhf_core.config import RuntimeConfig
 from tasks.dag.dvc_yaml import entry_paths, stage_entry
 from tasks.execution.errors import StageFailed
-from tasks.execution.launcher import LAUNCHED_ENV, on_checkpoint
+from tasks.execution.launcher import LAUNCHED_ENV, on_checkpoint, raise_interrupt
 from tasks.execution.shared_storage import STORAGE_ENV, RunFolder, is_remote, land
+from tasks.parameters.params import PROFILES_DIR
 from tasks.parameters.paths import Paths
 
 log = logging.getLogger(__name__)
@@ -98,12 +102,12 @@ def check_cluster(runtime: RuntimeConfig) -> str:
     return address
 
 
-def stage_inputs(root: Path, stage: str, runtime: RuntimeConfig, profile: str | None) -> list[str]:
-    """Workspace-relative paths a rank needs: the stage's dvc.yaml deps that are not code, the parameters, the
-    launch configs, and what a resumed run starts from."""
-    paths = Paths.at(root)
+def stage_inputs(root: Path, stage: str, params) -> list[str]:
+    """Workspace-relative paths a rank needs: the stage's dvc.yaml deps that are not code, the parameters and their
+    profile, the launch configs, and what a resumed run starts from."""
+    paths, runtime = Paths.at(root), params.runtime
     deps = [d for d in entry_paths(stage_entry(root, stage), "deps") if Path(d).parts[0] not in CODE_DIRS]
-    wanted = ["params.yaml", "dvc.yaml", *deps, *([f"profiles/{profile}.yaml"] if profile else [])]
+    wanted = ["params.yaml", "dvc.yaml", *deps, f"{PROFILES_DIR}/{params.base.profile}.yaml"]
     if runtime.accelerate_config and not Path(runtime.accelerate_config).is_absolute():
         wanted += _launch_configs(root, runtime.accelerate_config)
     if stage == "train":  # a checkpoint of these inputs resumes on the cluster as it does here
@@ -169,22 +173,25 @@ def accelerate_env(runtime: RuntimeConfig, root: Path) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith("ACCELERATE_")}
 
 
-def run_stage_on_ray(name: str, root: Path, params, profile: str | None, overrides: list[str]) -> dict:
-    """Run stage `name`'s ranks on the cluster; returns rank 0's metrics once its outputs are in the workspace."""
+def run_stage_on_ray(name: str, root: Path, params, profile: str | None, overrides: list[str],
+                     run_rank: Callable[..., dict]) -> dict:
+    """Run stage `name`'s ranks on the cluster, each through `run_rank(name, root, profile, overrides)` (the runner's
+    `run_stage`, handed down: a room of tasks/ never imports it); returns rank 0's metrics once its outputs are in
+    the workspace."""
     runtime = params.runtime
     root = Path(root).resolve()
     address = check_cluster(runtime)
     run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     storage = storage_uri(runtime)
     folder = RunFolder(f"{storage}/{run_id}")
-    folder.put(root, stage_inputs(root, name, runtime, profile), under="inputs")
+    folder.put(root, stage_inputs(root, name, params), under="inputs")
     use_gpu = _uses_gpus(runtime)
     env = {LAUNCHED_ENV: "1", "RLHF_TRACKING": "off",  # rank 0 writes the outputs; the driver's MLflow run takes the rest
            "RLHF_THREADS": str(max(1, int(runtime.ray_cpus_per_worker))),
            **({} if use_gpu else {"DS_ACCELERATOR": "cpu"}),
            **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **accelerate_env(runtime, root)}
     config = {"stage": name, "profile": profile, "overrides": list(overrides), "run_folder": folder.uri, "env": env,
-              "outputs": stage_outputs(root, name)}
+              "outputs": stage_outputs(root, name), "run_rank": run_rank}
     import ray
 
     context = _connect(ray, address)
@@ -192,11 +199,21 @@ def run_stage_on_ray(name: str, root: Path, params, profile: str | None, overrid
     print(f"stage {name}: {runtime.num_processes} rank(s) on the Ray cluster at {address}"
           + (f" (dashboard: http://{dashboard})" if dashboard else "") + f"; storage {folder.uri}",
           file=sys.stderr, flush=True)
+    ray_folder = RunFolder(f"{storage}/{run_id}-ray")  # Ray Train's own records and checkpoints of this run
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, raise_interrupt) if on_main_thread else None  # SIGTERM unwinds as Ctrl-C
     try:
-        error = _fit(ray, config, runtime, storage, run_id, use_gpu)
+        try:
+            error = _fit(ray, config, runtime, storage, run_id, use_gpu)
+        except BaseException:  # Ctrl-C, a cancel: the workers stop with the driver, the last checkpoint comes home
+            ray.shutdown()
+            with contextlib.suppress(Exception):
+                _bring_home_resume_state(root, name, ray_folder)
+            raise
+        ranks = _rank_records(folder)
         if error is not None:
-            kept = _bring_home_resume_state(root, name, storage, run_id)
-            raise StageFailed(f"stage {name} failed on the Ray cluster at {address}: {_who_failed(folder, error)}; "
+            kept = _bring_home_resume_state(root, name, ray_folder)
+            raise StageFailed(f"stage {name} failed on the Ray cluster at {address}: {_who_failed(ranks, error)}; "
                               + (f"checkpoint {kept} kept in {_relative(Paths.at(root).checkpoints, root)}: run the "
                                  "stage again to resume from it" if kept else "no checkpoint was kept"))
         metrics = folder.read_json("result/metrics.json")
@@ -206,13 +223,14 @@ def run_stage_on_ray(name: str, root: Path, params, profile: str | None, overrid
         with tempfile.TemporaryDirectory(prefix=f".rlhf-{name}-", dir=root) as incoming:
             folder.get("outputs", Path(incoming))
             land(Path(incoming), root, config["outputs"])
-        if name == "train":
-            _replay_train_log(root)
-        folder.remove()
-        RunFolder(f"{storage}/{run_id}-ray").remove()  # Ray Train's own records and checkpoints of this run
-        return metrics
+        return {**metrics, "ray": {"address": address, "ranks": ranks}}
     finally:
         ray.shutdown()  # the job ends with its driver: Ray stops every worker it started, on every node
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        for leftover in (folder, ray_folder):
+            with contextlib.suppress(Exception):  # storage gone too: nothing more to lose
+                leftover.remove()
 
 
 def _uses_gpus(runtime: RuntimeConfig) -> bool:
@@ -260,10 +278,9 @@ def _fit(ray, config: dict, runtime: RuntimeConfig, storage: str, run_id: str, u
     return None
 
 
-def _bring_home_resume_state(root: Path, name: str, storage: str, run_id: str) -> str | None:
+def _bring_home_resume_state(root: Path, name: str, ray_folder: RunFolder) -> str | None:
     """Copy the newest checkpoint Ray Train kept into the workspace (checkpoints/, the train log); its name."""
     wanted = resume_state(root, name)
-    ray_folder = RunFolder(f"{storage}/{run_id}-ray")
     checkpoints = [c for c in ray_folder.folders() if c.startswith("checkpoint-update-")]
     if not wanted or not checkpoints:
         return None
@@ -274,26 +291,20 @@ def _bring_home_resume_state(root: Path, name: str, storage: str, run_id: str) -
     return newest.removeprefix("checkpoint-")
 
 
-def _who_failed(folder: RunFolder, error: Exception) -> str:
+def _rank_records(folder: RunFolder) -> list[dict]:
+    """Where each rank of the last attempt ran: rank, node, pid, working directory (rank_main writes them)."""
+    records = (folder.read_json(f"{RANK_RECORDS}/{name}") for name in folder.files(RANK_RECORDS))
+    return sorted((r for r in records if r), key=lambda r: r["rank"])
+
+
+def _who_failed(ranks: list[dict], error: Exception) -> str:
     """The error in one line, with the rank and node it came from where Ray says."""
     text = " ".join(str(error).split())
-    ranks = {r["rank"]: r for r in (folder.read_json(f"{RANK_RECORDS}/{n}") for n in folder.files(RANK_RECORDS)) if r}
+    by_rank = {r["rank"]: r for r in ranks}
     failures = getattr(error, "worker_failures", None) or {}
-    where = [f"rank {rank} on node {ranks[rank]['node_ip']} ({ranks[rank]['node_id'][:12]})"
-             for rank in sorted(failures) if rank in ranks]
+    where = [f"rank {rank} on node {by_rank[rank]['node_ip']} ({by_rank[rank]['node_id'][:12]})"
+             for rank in sorted(failures) if rank in by_rank]
     return (", ".join(where) + ": " if where else "") + (text[:600] + " ..." if len(text) > 600 else text)
-
-
-def _replay_train_log(root: Path) -> None:
-    """The stage's MLflow run gets every update's figures, as a local train stage logs them."""
-    from rlhf_core.jsonio import read_jsonl
-    from tasks.tracking.stage_tracking import stage_tracker
-
-    log_file = Paths.at(root).train_log
-    if log_file.is_file():
-        tracker = stage_tracker()
-        for row in read_jsonl(log_file):
-            tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
 
 
 # ------------------------------------------------------------------ a rank, on a worker of the cluster
@@ -303,8 +314,6 @@ def rank_main(config: dict) -> None:
     inputs (and the checkpoint a restarted group resumes from), the stage run there as a launched rank runs it, and
     rank 0's outputs put back on the shared storage."""
     import ray.train
-
-    from tasks.runner import run_stage
 
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -323,7 +332,7 @@ def rank_main(config: dict) -> None:
         os.environ.update(config["env"])
         os.chdir(scratch)
         with on_checkpoint(lambda path: _report_checkpoint(scratch, path, rank)):
-            metrics = run_stage(config["stage"], scratch, config["profile"], config["overrides"])
+            metrics = config["run_rank"](config["stage"], scratch, config["profile"], config["overrides"])
         if rank == 0:
             folder.put(scratch, [p for p in config["outputs"] if (scratch / p).exists()], under="outputs")
             folder.write_json("result/metrics.json", metrics)

@@ -43,7 +43,7 @@ from tasks.execution.launcher import checkpoint_saved
 from tasks.parameters.params import Params
 from tasks.parameters.paths import Paths
 from tasks.tracking.progress import ProgressTracker, progress_bar
-from tasks.tracking.stage_tracking import stage_tracker
+from tasks.tracking.stage_tracking import log_history, stage_tracker
 
 TRACE_DIR = "trace"
 
@@ -228,9 +228,8 @@ def run(params: Params, paths: Paths) -> dict:
     if main:
         _prepare_outputs(paths, resumed)
         tracker = stage_tracker(JsonlTracker(history_file))  # + this stage's MLflow run, when tracking is on
-        if resumed and history_file.is_file():  # the MLflow run gets the whole run's history
-            for row in read_jsonl(history_file):
-                stage_tracker().log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+        if resumed:  # the MLflow run gets the whole run's history
+            log_history(history_file)
     trainer, tokenizer = build_trainer(params, paths, runtime, tracker=tracker, checkpoint_dir=paths.checkpoints)
     trainer.on_update = _trace_writer(params, tokenizer, paths.checkpoints / TRACE_DIR)  # called on the main rank
     trainer.on_checkpoint = checkpoint_saved  # every rank: a Ray rank persists it to the cluster's storage

@@ -92,6 +92,15 @@ def stage_tracker(*local: Tracker) -> Tracker:
     return FanOutTracker(*local, run.tracker) if run is not None else FanOutTracker(*local)
 
 
+def log_history(log_file: Path) -> None:
+    """Log every row of a train log (JSON lines `{"step": ..., **metrics}`) into the running stage's MLflow run, as the
+    stage would have logged them: for a run whose updates were logged elsewhere (ranks on a Ray cluster)."""
+    if log_file.is_file():
+        tracker = stage_tracker()
+        for row in read_jsonl(log_file):
+            tracker.log_metrics({k: v for k, v in row.items() if k != "step"}, row["step"])
+
+
 def _section(params, stage: str) -> dict:
     """The stage's own params section (plus base), as a plain dict."""
     dumped = params.model_dump(mode="json")

@@ -1,0 +1,227 @@
+"""The model stages on a Ray cluster (`runtime.launcher: ray`, profiles/cpu-ray.yaml) on two real Ray nodes of this
+machine (tests/ray_cluster.py: 127.0.0.2 and 127.0.0.3, 1 CPU each, no dashboard).
+
+One whole pipeline runs on the cluster (`rlhf run --profile cpu-ray`); its workspace is then copied for the rest:
+train on Ray writes the bytes the 2-process local launch writes (DDP against torchrun; DeepSpeed ZeRO-3 against
+accelerate, through ranks killed mid-train: a restart from the last checkpoint, then a stage out of restarts that
+brings its checkpoint home, and the next run resuming from it), a cluster that does not answer fails before anything
+is touched, and Ctrl-C leaves no Ray worker on either node. Every rank runs in a scratch folder of its own node,
+never in the workspace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cpu_profiles import with_profiles
+from test_flow import BIN, base_env, build_pipeline_repo
+
+from tasks.execution.launcher import MODEL_STAGES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from ray_cluster import HEAD_IP, WORKER_IP, LocalRayCluster, free_port  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL_METRICS = {"sft": "sft", "reward-model": "reward", "inspect": "inspect", "train": "train", "evaluate": "eval"}
+EPISODES = "train.total_episodes=256"  # 8 updates of 32 episodes: room to interrupt a run between its checkpoints
+TRAIN_OUTPUTS = ("models/policy", "reports/trace", "metrics/train.json", "metrics/train_history.json")
+WAIT_S = 900  # a bound on waiting, not a timing assertion
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = LocalRayCluster(tmp_path_factory.mktemp("ray")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_run(cluster, tmp_path_factory, mlflow_db_template):
+    """`rlhf run --profile cpu-ray` in a fresh git + DVC repo: every model stage on the cluster."""
+    repo = with_profiles(build_pipeline_repo(tmp_path_factory.mktemp("ray-repo"), mlflow_db_template))
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "profiles"], cwd=repo, check=True)
+    proc = subprocess.run([BIN / "rlhf", "run", "--profile", "cpu-ray", "--set", EPISODES], cwd=repo,
+                          env=ray_env(cluster), capture_output=True, text=True, timeout=2400)
+    return repo, proc
+
+
+def ray_env(cluster: LocalRayCluster, **extra: str) -> dict[str, str]:
+    return base_env(COLUMNS="200", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{**cluster.env, **extra})
+
+
+def copy_of(repo: Path, tmp_path: Path, name: str) -> Path:
+    copy = tmp_path / name
+    shutil.copytree(repo, copy, symlinks=True, ignore=shutil.ignore_patterns("checkpoints"))
+    return copy
+
+
+def stage_train(root: Path, env: dict[str, str], *sets: str, wait: bool = True):
+    args = [BIN / "rlhf", "stage", "train", "--profile", "cpu-ray", "--set", EPISODES,
+            *[x for item in sets for x in ("--set", item)]]
+    proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    if not wait:
+        return proc
+    output, _ = proc.communicate(timeout=WAIT_S)
+    return subprocess.CompletedProcess(args, proc.returncode, output)
+
+
+def torchrun_train(root: Path, *sets: str) -> subprocess.CompletedProcess:
+    """The same stage on 2 local processes (torchrun, or accelerate with a config): the reference bytes."""
+    return stage_train(root, base_env(OMP_NUM_THREADS="1"), "runtime.launcher=local", *sets)
+
+
+def assert_same_bytes(a: Path, b: Path, paths=TRAIN_OUTPUTS) -> None:
+    for relative in paths:
+        files = sorted(p.relative_to(a) for p in (a / relative).rglob("*") if p.is_file()) if (a / relative).is_dir() \
+            else [Path(relative)]
+        assert files, f"{a / relative}: nothing there"
+        for file in files:
+            assert (a / file).read_bytes() == (b / file).read_bytes(), f"{file} differs between {a} and {b}"
+
+
+def checkpoints_in(cluster: LocalRayCluster) -> list[str]:
+    """The checkpoints Ray Train has persisted on the shared storage, over every run folder."""
+    return sorted(p.name for p in cluster.storage.glob("*-ray/checkpoint-update-*"))
+
+
+def wait_for(condition, what: str, proc: subprocess.Popen, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the stage ended before {what}:\n{proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.2)
+
+
+def train_workers(cluster: LocalRayCluster, node: str | None = None) -> list:
+    return [p for p in cluster.ray_processes(node) if "RayTrainWorker" in p.name() + " ".join(p.cmdline()[:1])]
+
+
+def test_the_whole_pipeline_runs_every_model_stage_on_two_ray_nodes(ray_run, cluster):
+    from mlflow import MlflowClient
+
+    repo, proc = ray_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "rlhf-policy v1" in proc.stdout, proc.stdout[-3000:]
+    assert set(MODEL_METRICS) == set(MODEL_STAGES)
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    for stage, metrics_file in MODEL_METRICS.items():
+        metrics = json.loads((repo / "metrics" / f"{metrics_file}.json").read_text())
+        assert (metrics["num_processes"], metrics["distributed_type"]) == (2, "MULTI_CPU"), (stage, metrics)
+        ray = json.loads((repo / "reports" / "execution" / f"{stage}.json").read_text())["ray"]
+        assert ray["address"] == cluster.address
+        ranks = ray["ranks"]
+        assert [r["rank"] for r in ranks] == [0, 1] and {r["node_ip"] for r in ranks} == {HEAD_IP, WORKER_IP}, ranks
+        for rank in ranks:  # a rank works in its node's scratch folder, never in the workspace
+            for folder in (rank["cwd"], rank["scratch"]):
+                assert not Path(folder).resolve().is_relative_to(repo.resolve()), (stage, rank)
+        [run] = client.search_runs(experiments, f"tags.`rlhf.stage` = '{stage}'")
+        assert run.info.status == "FINISHED" and run.data.params["num_processes"] == "2", (stage, run.data.params)
+    [train] = client.search_runs(experiments, "tags.`rlhf.stage` = 'train'")
+    history = client.get_metric_history(train.info.run_id, "objective/kl")
+    assert [m.step for m in history] == list(range(1, 9)), "every update's figures reach the driver's MLflow run"
+    assert f"rank(s) on the Ray cluster at {cluster.address}" in proc.stdout + proc.stderr
+    assert list(cluster.storage.iterdir()) == [], "each stage's folder on the shared storage is gone after it"
+    assert train_workers(cluster) == [], "no rank outlives its stage"
+
+
+def test_ddp_on_ray_writes_the_torchrun_launchs_bytes(ray_run, tmp_path):
+    """The pipeline's train stage (DDP across the two nodes) against `torchrun --nproc_per_node 2` of the same
+    parameters: the same policy, traces and metrics, byte for byte."""
+    repo, _ = ray_run
+    local = copy_of(repo, tmp_path, "torchrun")
+    proc = torchrun_train(local)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert_same_bytes(repo, local)
+
+
+def test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_killed_ranks(ray_run, cluster, tmp_path):
+    """DeepSpeed ZeRO-3 (the GPU config file itself) across the two nodes against `accelerate launch` on 2 local
+    processes, through faults: each rank's shards go into the checkpoints of its own node and Ray Train merges them
+    on the shared storage. The rank on the worker node is killed (kill -9) mid-train twice: the first kill restarts
+    the worker group from the last checkpoint (runtime.ray_max_failures 1); the second exhausts the restarts and
+    fails the stage naming the node and the checkpoint it brought home; the next run resumes from it. The policy is
+    the uninterrupted local launch's, byte for byte."""
+    repo, _ = ray_run
+    zero3 = "runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml"
+    local, killed = copy_of(repo, tmp_path, "local"), copy_of(repo, tmp_path, "killed")
+    proc = torchrun_train(local, zero3)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+    run = stage_train(killed, ray_env(cluster), zero3, wait=False)
+    first = kill_a_rank_after_a_new_checkpoint(cluster, run, seen=set(checkpoints_in(cluster)))
+    kill_a_rank_after_a_new_checkpoint(cluster, run, seen=first)
+    output, _ = run.communicate(timeout=WAIT_S)
+    assert run.returncode == 1, output[-4000:]
+    error = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "failed on the Ray cluster" in error[0], output[-4000:]
+    assert f"on node {WORKER_IP}" in error[0] and "kept in checkpoints/train" in error[0], error[0]
+    kept = sorted(p.name for p in (killed / "checkpoints" / "train").glob("update-*"))
+    assert kept and kept[-1] in error[0], (kept, error[0])
+    assert train_workers(cluster) == []
+
+    rerun = stage_train(killed, ray_env(cluster), zero3)
+    assert rerun.returncode == 0, rerun.stdout[-4000:]
+    assert json.loads((killed / "metrics" / "train.json").read_text())["distributed_type"] == "DEEPSPEED"
+    metrics = json.loads((killed / "reports" / "execution" / "train.json").read_text())
+    assert metrics["resumed_from_update"] == int(kept[-1].split("-")[-1]), metrics
+    assert_same_bytes(local, killed)
+
+
+def kill_a_rank_after_a_new_checkpoint(cluster: LocalRayCluster, run: subprocess.Popen, seen: set[str]) -> set[str]:
+    """kill -9 the train rank on the worker node once a checkpoint not in `seen` is on the shared storage."""
+    wait_for(lambda: set(checkpoints_in(cluster)) - seen and train_workers(cluster, "worker"),
+             "a new checkpoint", run)
+    for worker in train_workers(cluster, "worker"):
+        worker.kill()
+    return set(checkpoints_in(cluster))
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size)
+            for folder in ("data", "models", "metrics", "reports") for p in (root / folder).rglob("*") if p.is_file()}
+
+
+def test_a_cluster_that_does_not_answer_fails_the_run_before_anything_is_touched(ray_run, cluster, tmp_path):
+    repo, _ = ray_run
+    copy = copy_of(repo, tmp_path, "nobody")
+    before, lock = snapshot(copy), (copy / "dvc.lock").read_bytes()
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    for command in (["run", "--profile", "cpu-ray", "--set", "train.kl_coef=0.2"], ["stage", "train", "--profile", "cpu-ray"]):
+        proc = subprocess.run([BIN / "rlhf", *command], cwd=copy, env=ray_env(cluster, RAY_ADDRESS=address),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and address in lines[0], proc.stderr
+        assert "no Ray cluster answers there" in lines[0], lines[0]
+        assert snapshot(copy) == before and (copy / "dvc.lock").read_bytes() == lock
+
+
+def test_ctrl_c_stops_every_rank_on_both_nodes_and_keeps_the_last_good_outputs(ray_run, cluster, tmp_path):
+    repo, _ = ray_run
+    copy = copy_of(repo, tmp_path, "interrupted")
+    policy = {p.name: p.read_bytes() for p in (copy / "models" / "policy").iterdir()}
+    seen = set(checkpoints_in(cluster))
+    run = stage_train(copy, ray_env(cluster), "train.kl_coef=0.2", wait=False)
+    wait_for(lambda: set(checkpoints_in(cluster)) - seen and len(train_workers(cluster)) == 2, "a checkpoint", run)
+    assert {n for n in ("head", "worker") if train_workers(cluster, n)} == {"head", "worker"}, "a rank on each node"
+    os.killpg(run.pid, signal.SIGINT)
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 130, output[-4000:]
+    deadline = time.monotonic() + 60
+    while cluster.ray_processes() and time.monotonic() < deadline:  # Ray reaps the job's workers as the driver leaves
+        time.sleep(0.5)
+    assert cluster.ray_processes() == [], [p.name() for p in cluster.ray_processes()]
+    assert {p.name: p.read_bytes() for p in (copy / "models" / "policy").iterdir()} == policy
+    assert sorted((copy / "checkpoints" / "train").glob("update-*")), "the last checkpoint came home: a rerun resumes"
