@@ -20,7 +20,8 @@ from pathlib import Path
 
 BIN = Path(sys.executable).parent
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
-SYSTEM_PROCESSES = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # a node's own, not a job's
+SYSTEM_PROCESSES = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent",  # a node's own, not a job's
+                    "AutoscalingCoordinator")  # detached: the cluster's one for every Ray Train or Data job
 
 
 def free_port(host: str) -> int:

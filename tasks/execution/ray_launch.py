@@ -259,12 +259,12 @@ def _node_ip() -> str | None:
 def _fit(ray, config: dict, runtime: RuntimeConfig, storage: str, run_id: str, use_gpu: bool):
     """The worker group's run: None when it finished, else the error that ended it (after the restarts allowed)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     resources = {"CPU": runtime.ray_cpus_per_worker}
     if use_gpu:
         resources["GPU"] = runtime.ray_gpus_per_worker or 1
-    trainer = TorchTrainer(
+    trainer = _stage_trainer()(
         rank_main, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=runtime.num_processes, use_gpu=use_gpu, resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -273,9 +273,35 @@ def _fit(ray, config: dict, runtime: RuntimeConfig, storage: str, run_id: str, u
                              checkpoint_config=CheckpointConfig(num_to_keep=2)))
     try:
         trainer.fit()
+    except KeyboardInterrupt:  # Ctrl-C, a cancel, SIGTERM: the run's controller stops its workers everywhere
+        trainer.abort()
+        raise
     except Exception as err:  # noqa: BLE001 (Ray's TrainingFailedError and what it wraps)
         return err
     return None
+
+
+def _stage_trainer():
+    """Ray Train's TorchTrainer, leaving SIGINT to the stage. On the main thread TorchTrainer.fit installs a handler
+    that aborts the run and exits the process (0 or 1, whatever the stage was doing); this one only keeps the run's
+    controller, and the stage aborts it on its own KeyboardInterrupt, as every stage stops. Aborting matters beyond
+    the driver's exit: the controller's helpers (a detached placement-group cleaner) outlive a driver that just
+    leaves, and without the dashboard's state API the cleaner never learns that the run is gone."""
+    import ray
+    from ray.train.torch import TorchTrainer
+
+    class StageTrainer(TorchTrainer):
+        controller = None
+
+        def _register_sigint_handler(self, controller) -> None:
+            self.controller = controller
+
+        def abort(self, timeout_s: float = 60) -> None:
+            if self.controller is not None:
+                with contextlib.suppress(Exception):  # an already dead controller has nothing left to stop
+                    ray.get(self.controller.abort.remote(), timeout=timeout_s)
+
+    return StageTrainer
 
 
 def _bring_home_resume_state(root: Path, name: str, ray_folder: RunFolder) -> str | None:
