@@ -95,7 +95,7 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         for proc in reversed(list(self.nodes.values())):
-            for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):  # a test cluster: no state to keep
                 try:
                     os.killpg(proc.pid, sig)
                 except ProcessLookupError:

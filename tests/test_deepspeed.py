@@ -35,7 +35,8 @@ def prepared(workspace: Path, copies: list[str]) -> dict[str, Path]:
 def trained(root: Path, overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
     proc = stage_train(root, overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    metrics = json.loads((root / "metrics" / "train.json").read_text())
+    metrics = {**json.loads((root / "metrics" / "train.json").read_text()),  # the results and, below, the execution
+               **json.loads((root / "reports" / "execution" / "train.json").read_text())}
     return metrics, load_file(root / "models" / "policy" / "model.safetensors")
 
 

@@ -39,12 +39,12 @@ from test_server import (  # noqa: F401  (stack: the module-scoped fixture, infr
 pytestmark = pytest.mark.server
 
 MODEL_STAGES = ("sft", "reward-model", "inspect", "train", "evaluate")
-PIPELINE_S = 2400  # the whole pipeline, five model stages on Ray: 11 min on 2 cores shared with other work
+PIPELINE_S = 2400  # the whole pipeline, five model stages on Ray: 6 to 11 min measured on 2 busy cores
 
 # A driver joining the cluster: prints RESULT and the live nodes' addresses, or RESULT and why it could not join.
 # Run as its own process: Ray's token loader is per process and reads the environment once.
 JOIN = """
-import json, os, sys
+import json, os
 import ray
 
 address = os.environ["PROBE_ADDRESS"]
@@ -61,7 +61,7 @@ except Exception as err:
 """
 
 # Where the ranks of the cluster's Ray Train worker groups ran, from the state API (through the dashboard, with
-# the token): the node address of every RayTrainWorker actor, dead or alive, and the cluster's nodes.
+# the token): the address of the node of every RayTrainWorker actor, dead or alive.
 RANKS = """
 import json, os
 from ray.util.state import list_actors, list_nodes

@@ -172,6 +172,22 @@ def test_a_relative_path_through_a_symlink_out_of_the_workspace_is_refused(trust
 # ------------------------------------------------------------------ who sets trust: params.yaml alone
 
 
+def test_a_run_cannot_choose_the_ray_cluster_or_its_storage(trusting):
+    """A Ray cluster runs the stage's code and sends back pickled objects, and its storage receives the stage's data:
+    a run may ask for the Ray launcher, not point it at another cluster. params.yaml, a committed profile or the
+    environment of whoever runs the stage (RAY_ADDRESS, RLHF_RAY_STORAGE) name them."""
+    workspace, _ = trusting
+    for override in ("runtime.ray_address=attacker.example:6379", "runtime.ray_address=ray://attacker.example:10001",
+                     "runtime.ray_storage=s3://elsewhere/loot", 'runtime={"ray_address": "attacker.example:6379"}'):
+        with pytest.raises(ParamsError, match=r"runtime\.ray_(address|storage): a run's overrides cannot set it"):
+            load_params(workspace, None, ["runtime.launcher=ray", override])
+    assert load_params(workspace, None, ["runtime.launcher=ray"]).runtime.launcher == "ray"
+    (workspace / "profiles").mkdir()
+    (workspace / "profiles" / "cluster.yaml").write_text(yaml.safe_dump(
+        {"runtime": {"launcher": "ray", "ray_address": "head.internal:6379", "ray_storage": "s3://team/ray"}}))
+    assert load_params(workspace, "cluster").runtime.ray_address == "head.internal:6379"
+
+
 def test_a_profile_cannot_set_trust(trusting):
     """A run may pick any committed profile (`--profile`, `--set base.profile=`, the Prefect UI): trust set in one
     would widen every run. Only params.yaml sets it; the error names the profile's file and the key."""

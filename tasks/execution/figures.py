@@ -16,6 +16,7 @@ from rlhf_core.jsonio import write_json
 from tasks.parameters.paths import Paths
 
 EXECUTION_KEYS = frozenset({"eps", "train_seconds", "stage_seconds", "resumed_from_update", "threads",
+                            "weight_gathers",  # ZeRO-3's gathers in this process: a resumed run counts fewer
                             "ray"})  # a Ray launch: the cluster and where each rank ran
 EXECUTION_PREFIXES = ("time/", "gpu/")
 

@@ -36,6 +36,7 @@ PARAMS_FILE = "params.yaml"
 # the section is validated; here they only keep the layers (params.yaml, profile, --set) from naming one setting twice.
 TRAIN_ALIASES = {**TRL_ALIASES, **PEFT_ALIASES}
 PROFILES_DIR = "profiles"
+CLUSTER_KEYS = ("ray_address", "ray_storage")  # where a stage's code and data go: never a run's choice
 # While `rlhf run` has written its profile and overrides into params.yaml: {"original": text, "written": text}
 # (flows/overrides.py); lineage reads it to tell the run's own edit from the user's.
 RUN_PARAMS_NOTE = ".dvc/tmp/rlhf-params-restore.json"
@@ -391,6 +392,11 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
     if "trust" in override:
         raise ParamsError(f"trust: a run's overrides cannot set it (it says what they may reach); edit {path}'s "
                           f"trust section instead")
+    cluster = [key for key in CLUSTER_KEYS if key in (override.get("runtime") or {})]
+    if cluster:
+        raise ParamsError(f"runtime.{cluster[0]}: a run's overrides cannot set it (a Ray cluster runs the stage's code "
+                          "and answers with pickled objects; its storage receives the stage's data); set it in "
+                          f"{path}, a profile, or the environment of whoever runs the stage (RAY_ADDRESS, RLHF_RAY_STORAGE)")
     profile = profile or override.get("base", {}).get("profile") or raw.get("base", {}).get("profile", "demo")
     if not isinstance(profile, str) or Path(profile).name != profile or profile.startswith("."):
         raise ParamsError(f"profile {profile!r}: expected the name of a file in {root / PROFILES_DIR}, not a path")
