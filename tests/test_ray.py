@@ -26,7 +26,8 @@ from test_flow import BIN, base_env, build_pipeline_repo
 
 from tasks.execution.launcher import MODEL_STAGES
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
 from ray_cluster import HEAD_IP, WORKER_IP, LocalRayCluster, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -225,3 +226,107 @@ def test_ctrl_c_stops_every_rank_on_both_nodes_and_keeps_the_last_good_outputs(r
     assert cluster.ray_processes() == [], [p.name() for p in cluster.ray_processes()]
     assert {p.name: p.read_bytes() for p in (copy / "models" / "policy").iterdir()} == policy
     assert sorted((copy / "checkpoints" / "train").glob("update-*")), "the last checkpoint came home: a rerun resumes"
+
+
+# ------------------------------------------------------------------ the driver's parts, without a cluster
+
+def test_a_stage_ships_its_non_code_deps_the_parameters_and_its_resume_state(tmp_path):
+    from tasks.execution.ray_launch import stage_inputs, stage_outputs
+    from tasks.parameters.params import load_params
+
+    root = with_profiles(tmp_path)
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+    for folder in ("data", "models/sft", "models/reward", "reports/validation", "reports/inspection",
+                   "checkpoints/train/update-000001", "reports/execution"):
+        (root / folder).mkdir(parents=True, exist_ok=True)
+    for file in ("data/prompts_train.jsonl", "reports/validation/report.json", "reports/inspection/report.json",
+                 "reports/execution/train_log.jsonl"):
+        (root / file).write_text("{}\n")
+    params = load_params(root, "cpu-ray", ["runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml"])
+    inputs = stage_inputs(root, "train", params)
+    assert {"params.yaml", "dvc.yaml", "profiles/cpu-ray.yaml", "infra/accelerate/deepspeed_zero3.yaml",
+            "data/prompts_train.jsonl", "models/sft", "models/reward", "checkpoints/train",
+            "reports/execution/train_log.jsonl"} <= set(inputs), inputs
+    assert not [p for p in inputs if p.split("/")[0] in ("rlhf_core", "tasks", "flows", "cli")], "code travels as code"
+    assert stage_outputs(root, "train") == ["models/policy", "reports/trace", "metrics/train.json",
+                                            "metrics/train_history.json", "reports/execution/train.json",
+                                            "reports/execution/train_log.jsonl"]
+    assert "checkpoints/train" not in stage_inputs(root, "sft", params)
+
+
+def test_each_rank_gets_the_accelerate_settings_accelerate_launch_gives_it(tmp_path):
+    """The DeepSpeed plugin reaches a Ray rank as it reaches an `accelerate launch` rank: the same ACCELERATE_*
+    variables, computed by accelerate from the same config file (read here from a real launched process)."""
+    from rlhf_core.config import RuntimeConfig
+    from tasks.execution.ray_launch import accelerate_env
+
+    config = "infra/accelerate/deepspeed_zero3.yaml"
+    root = with_profiles(tmp_path)
+    runtime = RuntimeConfig(device="cpu", num_processes=1, accelerate_config=config)
+    probe = root / "probe.py"
+    probe.write_text("import json, os\nprint(json.dumps({k: v for k, v in os.environ.items() if k.startswith('ACCELERATE_')}))\n")
+    launched = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+                               "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", str(probe)],
+                              cwd=root, env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+                              timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    seen = json.loads(launched.stdout.strip().splitlines()[-1])
+    ours = accelerate_env(runtime, root)
+    assert ours["ACCELERATE_USE_DEEPSPEED"] == "true" and ours["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert {k: v for k, v in seen.items() if k in ours} == ours and set(ours) <= set(seen), (ours, seen)
+    assert accelerate_env(RuntimeConfig(device="cpu", num_processes=2), root) == {}, "DDP needs no plugin"
+
+
+def test_the_cluster_and_its_storage_are_checked_with_one_message_each(monkeypatch, tmp_path):
+    from rlhf_core.config import RuntimeConfig
+    from tasks.execution.ray_launch import ClusterUnreachable, check_cluster
+
+    for name in ("RAY_ADDRESS", "RLHF_RAY_STORAGE"):
+        monkeypatch.delenv(name, raising=False)
+    ray = RuntimeConfig(launcher="ray", num_processes=2)
+    with pytest.raises(ClusterUnreachable, match="no cluster is named: set runtime.ray_address"):
+        check_cluster(ray)
+    port = free_port("127.0.0.1")
+    with pytest.raises(ClusterUnreachable, match=f"runtime.ray_address 127.0.0.1:{port}: no Ray cluster answers"):
+        check_cluster(ray.model_copy(update={"ray_address": f"127.0.0.1:{port}"}))
+    with pytest.raises(ClusterUnreachable, match="expected HOST:PORT"):
+        check_cluster(ray.model_copy(update={"ray_address": "head-without-port"}))
+    import socket
+
+    with socket.socket() as listening:  # something answers: then the storage is checked
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        answering = ray.model_copy(update={"ray_address": f"127.0.0.1:{listening.getsockname()[1]}"})
+        with pytest.raises(ClusterUnreachable, match="no shared storage is named"):
+            check_cluster(answering)
+        with pytest.raises(ClusterUnreachable, match="runtime.ray_storage relative/dir: give an absolute path"):
+            check_cluster(answering.model_copy(update={"ray_storage": "relative/dir"}))
+        assert check_cluster(answering.model_copy(update={"ray_storage": str(tmp_path)})) == answering.ray_address
+    with pytest.raises(ValueError, match="num_machines is for the local launcher"):
+        RuntimeConfig(launcher="ray", num_processes=4, num_machines=2)
+
+
+def test_outputs_land_whole_in_place_of_the_old_ones(tmp_path):
+    from tasks.execution.shared_storage import RunFolder, land
+
+    root, incoming = tmp_path / "ws", tmp_path / "incoming"
+    (root / "models" / "policy").mkdir(parents=True)
+    (root / "models" / "policy" / "stale.bin").write_text("old")
+    (root / "metrics").mkdir()
+    (root / "metrics" / "train.json").write_text("old")
+    source = tmp_path / "rank0"
+    (source / "models" / "policy").mkdir(parents=True)
+    (source / "models" / "policy" / "model.safetensors").write_bytes(b"\x00new")
+    (source / "metrics").mkdir()
+    (source / "metrics" / "train.json").write_text("new")
+    folder = RunFolder(str(tmp_path / "storage" / "run"))
+    folder.put(source, ["models/policy", "metrics/train.json"], under="outputs")
+    assert folder.files("outputs") == ["metrics/train.json", "models/policy/model.safetensors"]
+    folder.get("outputs", incoming)
+    land(incoming, root, ["models/policy", "metrics/train.json", "reports/trace"])  # one not made: left as it was
+    assert sorted(p.name for p in (root / "models" / "policy").iterdir()) == ["model.safetensors"]
+    assert (root / "metrics" / "train.json").read_text() == "new"
+    assert not [p for p in root.rglob(".*")], "no staged or replaced copy left behind"
+    folder.remove()
+    assert not (tmp_path / "storage" / "run").exists()

@@ -183,28 +183,28 @@ def run_stage_on_ray(name: str, root: Path, params, profile: str | None, overrid
     address = check_cluster(runtime)
     run_id = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     storage = storage_uri(runtime)
-    folder = RunFolder(f"{storage}/{run_id}")
-    folder.put(root, stage_inputs(root, name, params), under="inputs")
-    use_gpu = _uses_gpus(runtime)
-    env = {LAUNCHED_ENV: "1", "RLHF_TRACKING": "off",  # rank 0 writes the outputs; the driver's MLflow run takes the rest
-           "RLHF_THREADS": str(max(1, int(runtime.ray_cpus_per_worker))),
-           **({} if use_gpu else {"DS_ACCELERATOR": "cpu"}),
-           **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **accelerate_env(runtime, root)}
-    config = {"stage": name, "profile": profile, "overrides": list(overrides), "run_folder": folder.uri, "env": env,
-              "outputs": stage_outputs(root, name), "run_rank": run_rank}
+    folder = RunFolder(f"{storage}/{run_id}")  # this stage's inputs, rank records, outputs
+    ray_folder = RunFolder(f"{storage}/{run_id}-ray")  # Ray Train's own records and checkpoints of this run
     import ray
 
-    context = _connect(ray, address)
-    dashboard = getattr(context, "dashboard_url", None)
-    print(f"stage {name}: {runtime.num_processes} rank(s) on the Ray cluster at {address}"
-          + (f" (dashboard: http://{dashboard})" if dashboard else "") + f"; storage {folder.uri}",
-          file=sys.stderr, flush=True)
-    ray_folder = RunFolder(f"{storage}/{run_id}-ray")  # Ray Train's own records and checkpoints of this run
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if on_main_thread else None  # SIGTERM unwinds as Ctrl-C
     try:
+        folder.put(root, stage_inputs(root, name, params), under="inputs")
+        context = _connect(ray, address)
+        use_gpu = _uses_gpus(ray, runtime)
+        env = {LAUNCHED_ENV: "1", "RLHF_TRACKING": "off",  # rank 0 writes outputs; the driver's MLflow run takes the rest
+               "RLHF_THREADS": str(max(1, int(runtime.ray_cpus_per_worker))),
+               **({} if use_gpu else {"DS_ACCELERATOR": "cpu"}),
+               **{k: os.environ[k] for k in PASSED_ENV if k in os.environ}, **accelerate_env(runtime, root)}
+        config = {"stage": name, "profile": profile, "overrides": list(overrides), "run_folder": folder.uri,
+                  "env": env, "outputs": stage_outputs(root, name), "run_rank": run_rank}
+        dashboard = getattr(context, "dashboard_url", None)
+        print(f"stage {name}: {runtime.num_processes} rank(s) on the Ray cluster at {address}"
+              + (f" (dashboard: http://{dashboard})" if dashboard else "") + f"; storage {folder.uri}",
+              file=sys.stderr, flush=True)
         try:
-            error = _fit(ray, config, runtime, storage, run_id, use_gpu)
+            error = _fit(config, runtime, storage, run_id, use_gpu)
         except BaseException:  # Ctrl-C, a cancel: the workers stop with the driver, the last checkpoint comes home
             ray.shutdown()
             with contextlib.suppress(Exception):
@@ -233,9 +233,13 @@ def run_stage_on_ray(name: str, root: Path, params, profile: str | None, overrid
                 leftover.remove()
 
 
-def _uses_gpus(runtime: RuntimeConfig) -> bool:
+def _uses_gpus(ray, runtime: RuntimeConfig) -> bool:
+    """Whether each rank reserves GPUs: as runtime.ray_gpus_per_worker says, else when the device is CUDA, or 'auto'
+    on a cluster that has GPUs."""
     if runtime.ray_gpus_per_worker is not None:
         return runtime.ray_gpus_per_worker > 0
+    if runtime.device == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
     return runtime.device == "cuda"
 
 
@@ -251,12 +255,12 @@ def _connect(ray, address: str):
 
 
 def _node_ip() -> str | None:
-    """RAY_NODE_IP_ADDRESS: the address this machine's node joined the cluster with (127.0.0.1 for a cluster on
-    loopback), which the driver must use to find its node."""
+    """RAY_NODE_IP_ADDRESS: the address this machine's node joined the cluster with when it is not the one Ray would
+    pick (a cluster on loopback: 127.0.0.2), which the driver must give to find its node."""
     return os.environ.get("RAY_NODE_IP_ADDRESS")
 
 
-def _fit(ray, config: dict, runtime: RuntimeConfig, storage: str, run_id: str, use_gpu: bool):
+def _fit(config: dict, runtime: RuntimeConfig, storage: str, run_id: str, use_gpu: bool):
     """The worker group's run: None when it finished, else the error that ended it (after the restarts allowed)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
