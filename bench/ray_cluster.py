@@ -46,7 +46,8 @@ class LocalRayCluster:
     def start(self, timeout_s: float = 120) -> LocalRayCluster:
         self.storage.mkdir(parents=True, exist_ok=True)
         self._node("head", "--head", f"--node-ip-address={HEAD_IP}", f"--port={self.port}",
-                   f"--temp-dir={self.base / 'ray'}", "--include-dashboard=false")
+                   f"--temp-dir={self.base / 'ray'}", "--include-dashboard=false",
+                   f"--ray-client-server-port={free_port(HEAD_IP)}")  # with ray[default]: not the usual 10001
         self._wait_for("head", timeout_s)
         self._node("worker", f"--address={self.address}", f"--node-ip-address={WORKER_IP}")
         self._wait_for("worker", timeout_s)
@@ -54,11 +55,12 @@ class LocalRayCluster:
 
     def _node(self, name: str, *args: str) -> None:
         log = (self.base / f"{name}.log").open("w")
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "1"}
-        for key in ("RAY_ADDRESS", "RAY_NODE_IP_ADDRESS"):
-            env.pop(key, None)
+        # RAY_ADDRESS on the nodes: Ray Train's helpers find their own cluster when another one runs on this machine
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": self.address}
+        env.pop("RAY_NODE_IP_ADDRESS", None)
         self.nodes[name] = subprocess.Popen(
-            [str(BIN / "ray"), "start", *args, f"--num-cpus={self.cpus}", "--block"],
+            [str(BIN / "ray"), "start", *args, f"--num-cpus={self.cpus}",
+             "--dashboard-agent-listen-port=0", "--block"],  # two nodes of one machine: never the same port
             cwd=self.base, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait_for(self, name: str, timeout_s: float) -> None:
