@@ -10,6 +10,7 @@ with 1 CPU and no dashboard; every process Ray starts (GCS, raylets, workers) de
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -45,9 +46,10 @@ class LocalRayCluster:
 
     def start(self, timeout_s: float = 120) -> LocalRayCluster:
         self.storage.mkdir(parents=True, exist_ok=True)
+        # with Ray Client's packages installed (ray[default] or [client]) the head serves it: on a free port, not 10001
+        client = [f"--ray-client-server-port={free_port(HEAD_IP)}"] if importlib.util.find_spec("grpc") else []
         self._node("head", "--head", f"--node-ip-address={HEAD_IP}", f"--port={self.port}",
-                   f"--temp-dir={self.base / 'ray'}", "--include-dashboard=false",
-                   f"--ray-client-server-port={free_port(HEAD_IP)}")  # with ray[default]: not the usual 10001
+                   f"--temp-dir={self.base / 'ray'}", "--include-dashboard=false", *client)
         self._wait_for("head", timeout_s)
         self._node("worker", f"--address={self.address}", f"--node-ip-address={WORKER_IP}")
         self._wait_for("worker", timeout_s)

@@ -15,7 +15,8 @@ The driver stays where the DVC workspace is. It
    driver's alone (the ranks run untracked), and the runner replays train's per-update metrics into it.
 
 A stage that fails for good brings its last checkpoint home (checkpoints/), so the next run, on Ray or not, resumes
-from it; Ctrl-C or a cancel disconnects the driver, and Ray stops the job's workers on every node with it.
+from it; Ctrl-C, SIGTERM or a cancel aborts the run through its controller, which stops the workers on every node,
+and the last checkpoint comes home too.
 Only this module imports Ray, and only a stage whose runtime asks for it imports this module.
 """
 
@@ -43,14 +44,11 @@ from tasks.execution.shared_storage import STORAGE_ENV, RunFolder, is_remote, la
 from tasks.parameters.params import PROFILES_DIR
 from tasks.parameters.paths import Paths
 
-log = logging.getLogger(__name__)
-
 ADDRESS_ENV = "RAY_ADDRESS"
-CODE_PACKAGES = ("rlhf_core", "tasks")  # what a rank imports; shipped with the job, so it runs the driver's code
 CODE_DIRS = ("rlhf_core", "tasks", "flows", "cli")  # dvc.yaml deps that are code, not inputs to copy
 # what the driver's environment decides about a rank's results or its offline-ness (never a credential)
 PASSED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM",
-              "RLHF_KEEP_FREED_MEMORY", "RLHF_SAMPLING_SEED")
+              "RLHF_KEEP_FREED_MEMORY")
 CONNECT_TIMEOUT_S = 5.0
 RANK_RECORDS = "ranks"  # rank-N.json: where each rank of the current attempt runs (node, pid, working directory)
 
@@ -244,11 +242,12 @@ def _uses_gpus(ray, runtime: RuntimeConfig) -> bool:
 
 
 def _connect(ray, address: str):
-    """Join the cluster as a driver, the rank code shipped with the job (the driver's own, whatever the nodes have)."""
+    """Join the cluster as a driver, the rank code shipped with the job (`py_modules`: the driver's own, whatever the
+    nodes have installed)."""
     import rlhf_core
     import tasks
 
-    modules = [str(Path(module.__file__).parent) for module in (rlhf_core, tasks)]
+    modules = [str(Path(module.__file__).parent) for module in (rlhf_core, tasks)]  # what a rank imports
     return ray.init(address=address, logging_level=logging.WARNING, configure_logging=True,
                     runtime_env={"py_modules": modules, "excludes": ["__pycache__", "*.pyc"]},
                     **({"_node_ip_address": _node_ip()} if not address.startswith("ray://") and _node_ip() else {}))
