@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +39,8 @@ class LocalRayCluster:
         self.port = free_port(HEAD_IP)
         self.address = f"{HEAD_IP}:{self.port}"
         self.storage = self.base / "storage"
+        # Ray's sockets live in its temp folder and a Unix socket's path has at most 107 bytes: a short one of its own
+        self.temp = Path(tempfile.mkdtemp(prefix="ray-"))
         self.nodes: dict[str, subprocess.Popen] = {}
 
     @property
@@ -49,7 +53,7 @@ class LocalRayCluster:
         # with Ray Client's packages installed (ray[default] or [client]) the head serves it: on a free port, not 10001
         client = [f"--ray-client-server-port={free_port(HEAD_IP)}"] if importlib.util.find_spec("grpc") else []
         self._node("head", "--head", f"--node-ip-address={HEAD_IP}", f"--port={self.port}",
-                   f"--temp-dir={self.base / 'ray'}", "--include-dashboard=false", *client)
+                   f"--temp-dir={self.temp}", "--include-dashboard=false", *client)
         self._wait_for("head", timeout_s)
         self._node("worker", f"--address={self.address}", f"--node-ip-address={WORKER_IP}")
         self._wait_for("worker", timeout_s)
@@ -114,3 +118,4 @@ class LocalRayCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(self.temp, ignore_errors=True)
