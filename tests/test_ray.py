@@ -66,8 +66,8 @@ def copy_of(repo: Path, tmp_path: Path, name: str) -> Path:
     return copy
 
 
-def stage_train(root: Path, env: dict[str, str], *sets: str, wait: bool = True):
-    args = [BIN / "rlhf", "stage", "train", "--profile", "cpu-ray", "--set", EPISODES,
+def stage_train(root: Path, env: dict[str, str], *sets: str, wait: bool = True, episodes: str = EPISODES):
+    args = [BIN / "rlhf", "stage", "train", "--profile", "cpu-ray", "--set", episodes,
             *[x for item in sets for x in ("--set", item)]]
     proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -214,7 +214,8 @@ def test_ctrl_c_stops_every_rank_on_both_nodes_and_keeps_the_last_good_outputs(r
     copy = copy_of(repo, tmp_path, "interrupted")
     policy = {p.name: p.read_bytes() for p in (copy / "models" / "policy").iterdir()}
     seen = set(checkpoints_in(cluster))
-    run = stage_train(copy, ray_env(cluster), "train.kl_coef=0.2", wait=False)
+    # long enough that the interrupt always lands mid-train, whatever the machine's load
+    run = stage_train(copy, ray_env(cluster), "train.kl_coef=0.2", wait=False, episodes="train.total_episodes=4096")
     wait_for(lambda: set(checkpoints_in(cluster)) - seen and len(train_workers(cluster)) == 2, "a checkpoint", run)
     assert {n for n in ("head", "worker") if train_workers(cluster, n)} == {"head", "worker"}, "a rank on each node"
     os.killpg(run.pid, signal.SIGINT)
