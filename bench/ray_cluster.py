@@ -102,17 +102,10 @@ class LocalRayCluster:
         return found
 
     def stop(self) -> None:
-        for proc in reversed(list(self.nodes.values())):
-            for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):  # a test cluster: no state to keep
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        from tasks.execution.launcher import stop_group
+
+        for proc in reversed(list(self.nodes.values())):  # a test cluster: no state to keep
+            stop_group(proc, [(signal.SIGTERM, 5), (signal.SIGKILL, 10)])
         for proc in self.nodes.values():  # what a SIGTERM'd `ray start` left in its session (raylet, workers)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
