@@ -28,7 +28,7 @@ from typing import Any
 import yaml
 
 from rlhf_core.jsonio import read_json_object, write_json
-from rlhf_core.sources import LOCAL_SUFFIXES
+from rlhf_core.sources import LOCAL_SUFFIXES, SourceError, check_dataset_folder
 from tasks.checks.model_checks import check_lora_settings
 from tasks.parameters.params import (
     PARAMS_FILE,
@@ -100,6 +100,7 @@ def check_run_inputs(params: Params, root: str | Path, overrides: list[str]) -> 
         errors += [f"prepare.{name}: {value}: no such file or directory (in {Path(root).resolve()})"
                    for name in ("sft", "preferences", "prompts") if (value := getattr(prepare, name))
                    and _looks_local(value) and not (Path(root) / value).exists()]
+        errors += _confinement_errors(prepare, root)
     if errors:
         raise ParamsError("invalid parameters for this run:\n  " + "\n  ".join(errors))
     check_lora_settings(params, root, planned=True)  # before sft and reward-model spend minutes
@@ -110,6 +111,19 @@ def check_run_inputs(params: Params, root: str | Path, overrides: list[str]) -> 
             check_cluster(params.runtime)
         except ClusterUnreachable as err:
             raise ParamsError(str(err)) from None
+
+
+def _confinement_errors(prepare, root: str | Path) -> list[str]:
+    """A local dataset folder whose card or saved state names files outside it (rlhf_core.sources), per key."""
+    errors = []
+    for name in ("sft", "preferences", "prompts"):
+        folder = Path(root) / value if (value := getattr(prepare, name)) else None
+        if folder is not None and folder.is_dir():
+            try:
+                check_dataset_folder(folder)
+            except SourceError as err:
+                errors.append(f"prepare.{name}: {err}")
+    return errors
 
 
 def _looks_local(source: str) -> bool:

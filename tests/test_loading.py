@@ -10,11 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import yaml
 from datasets import Dataset, DatasetDict
 
 from rlhf_core.hub import load_tokenizer, save_tokenizer
 from rlhf_core.models import load_policy, load_scorer_model
-from rlhf_core.sources import SourceError, load_rows
+from rlhf_core.sources import SourceError, _confine, check_dataset_folder, load_rows
 
 ROWS = [{"prompt": "SUBREDDIT: r/pets\n\nPOST: my cat\n\nTL;DR:", "completion": " cat"},
         {"prompt": "SUBREDDIT: r/work\n\nPOST: my boss\n\nTL;DR:", "completion": " boss"}]
@@ -100,6 +101,64 @@ def test_rows_from_jsonl_json_parquet_and_saved_datasets(tmp_path):
     assert load_rows(tmp_path / "saved_dict", split="validation") == ROWS[:1]
     with pytest.raises(SourceError, match="no split 'test'"):
         load_rows(tmp_path / "saved_dict", split="test")
+
+
+def _card(folder: Path, data_files: list[dict]) -> Path:
+    """A dataset folder whose README.md card lists `data_files` (the hub's layout: `datasets` honours it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    configs = [{"config_name": "default", "data_files": data_files}]
+    (folder / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': configs})}---\n")
+    return folder
+
+
+def test_a_dataset_folder_reads_only_files_inside_it(tmp_path):
+    """The card's data_files, which `datasets` honours, may not lead out of the folder (absolute, `..`, a glob, a
+    symlink, a URL), nor may a saved dataset's state.json or dataset_dict.json: refused before any row is read."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "rows.jsonl").write_text(json.dumps({"prompt": "the secret"}) + "\n")
+    Dataset.from_list([{"prompt": "the secret"}]).save_to_disk(str(secret / "saved"))
+    arrow = next((secret / "saved").glob("*.arrow"))
+    own = [{"split": "train", "path": "data/rows.jsonl"}]
+    good = _card(tmp_path / "good", own)
+    (good / "data").mkdir()
+    (good / "data" / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    assert load_rows(good) == ROWS
+
+    outside = {"absolute": _card(tmp_path / "absolute", [{"split": "train", "path": str(secret / "rows.jsonl")}]),
+               "dotdot": _card(tmp_path / "dotdot", [{"split": "train", "path": "../secret/*.jsonl"}]),
+               "url": _card(tmp_path / "url", [{"split": "train", "path": "https://example.invalid/rows.jsonl"}]),
+               "link": _card(tmp_path / "link", own)}
+    (outside["link"] / "data").mkdir()
+    (outside["link"] / "data" / "rows.jsonl").symlink_to(secret / "rows.jsonl")
+    saved = tmp_path / "saved"
+    Dataset.from_list(ROWS).save_to_disk(str(saved))
+    state = json.loads((saved / "state.json").read_text())
+    state["_data_files"] = [{"filename": str(arrow)}]
+    (saved / "state.json").write_text(json.dumps(state))
+    outside["state"] = saved
+    split_out = tmp_path / "split_out"
+    DatasetDict({"train": Dataset.from_list(ROWS)}).save_to_disk(str(split_out))
+    (split_out / "dataset_dict.json").write_text(json.dumps({"splits": ["../secret/saved"]}))
+    outside["splits"] = split_out
+    for how, folder in outside.items():
+        with pytest.raises(SourceError, match="outside the dataset") as err:
+            load_rows(folder)
+        assert str(folder) in str(err.value) and "a dataset may name files inside it only" in str(err.value), how
+        with pytest.raises(SourceError, match="outside the dataset"):
+            check_dataset_folder(folder)
+
+
+def test_a_hub_dataset_reads_only_its_own_repository():
+    """The files a hub card names, as `datasets` resolves them, stay in that repository (no network here: the check
+    on the resolved names, the part a local folder's loading does not cover)."""
+    repo = ["hf://datasets/owner/tldr@", "/nonexistent-hub-cache/datasets--owner--tldr"]
+    _confine("owner/tldr", ["hf://datasets/owner/tldr@0a1b/data/train-00000.parquet"], repo)
+    for file in ("hf://datasets/owner/tldr-evil@0a1b/x.parquet", "hf://datasets/other/repo@0a1b/x.parquet",
+                 "hf://datasets/owner/tldr@0a1b/../../other/repo/x.parquet", "/etc/passwd",
+                 "https://example.invalid/x.parquet", "s3://bucket/x.parquet"):
+        with pytest.raises(SourceError, match="owner/tldr: its dataset card or saved state names"):
+            _confine("owner/tldr", [file], repo)
 
 
 @pytest.mark.parametrize("content,message", [

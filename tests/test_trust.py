@@ -5,6 +5,7 @@ trigger a run (the Prefect UI or API, `rlhf run --set`) is refused before any st
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -76,6 +77,40 @@ def test_paths_in_overrides_stay_under_the_workspace_or_trusted_roots(trusting):
         with pytest.raises(ParamsError, match="invalid overrides") as err:
             load_params(workspace, None, [override])
         assert message in str(err.value), err.value
+
+
+def test_a_path_is_checked_as_the_stage_will_use_it_whatever_yaml_made_of_it(trusting):
+    """YAML's `!!binary` makes bytes, which the check of strings let through and pydantic then decoded into the path a
+    stage opens: the check reads the validated value, so every spelling of /etc/passwd is the same refusal."""
+    workspace, outside = trusting
+    secret = base64.b64encode(b"/etc/passwd").decode()
+    for override in (f"prepare.sft=!!binary {secret}", f"prepare={{sft: !!binary {secret}}}",
+                     f'train.reward_funcs=[{{"model": !!binary {secret}}}]', "prepare.sft=!!str /etc/passwd",
+                     f"runtime.accelerate_config=!!binary {base64.b64encode(b'file:///etc/passwd').decode()}"):
+        with pytest.raises(ParamsError, match="invalid overrides") as err:
+            load_params(workspace, None, [override])
+        assert "/etc/passwd is outside the workspace" in str(err.value), (override, err.value)
+    inside = load_params(workspace, None, [f"prepare.sft=!!binary {base64.b64encode(b'data/sft.jsonl').decode()}"])
+    assert inside.prepare.sft == "data/sft.jsonl"
+
+
+def test_a_dataset_folder_whose_card_leads_out_is_refused_before_the_run(trusting):
+    """A local dataset folder passes the path check; the files its card names are checked too, before any stage."""
+    from flows.overrides import check_run_inputs
+
+    workspace, outside = trusting
+    (outside / "secret.jsonl").write_text('{"prompt": "the secret"}\n')
+    folder = workspace / "data" / "cards"
+    folder.mkdir(parents=True)
+    configs = [{"config_name": "default", "data_files": [{"split": "train", "path": str(outside / "secret.jsonl")}]}]
+    (folder / "README.md").write_text(f"---\n{yaml.safe_dump({'configs': configs})}---\n")
+    (workspace / "data" / "p.jsonl").write_text("{}\n")
+    overrides = ["prepare.source=files", "prepare.sft=data/cards", "prepare.preferences=data/p.jsonl"]
+    params = load_params(workspace, None, overrides)  # the folder itself is inside the workspace
+    with pytest.raises(ParamsError) as err:
+        check_run_inputs(params, workspace, overrides)
+    assert (f"prepare.sft: {folder}: its dataset card or saved state names {outside / 'secret.jsonl'}, outside the "
+            "dataset") in str(err.value)
 
 
 def test_a_file_named_tilde_in_the_workspace_is_not_the_home_folder(trusting):
@@ -255,6 +290,12 @@ def _files_under(roots: tuple[Path, ...]) -> frozenset[tuple[int, int]]:
     return frozenset(found)
 
 
+# The ways YAML can spell a value that reaches a stage as the same path string: a JSON string, an explicit str tag,
+# and bytes (`!!binary`, which pydantic decodes into the str a stage opens)
+YAML_FORMS = [json.dumps, lambda value: f"!!str {json.dumps(value)}",
+              lambda value: f"!!binary {base64.b64encode(value.encode()).decode()}"]
+
+
 @st.composite
 def paths(draw, top: Path):
     start = draw(st.sampled_from(["", "./", "/", "~/", "~", "~root/", "file:///", f"{top}/", f"{top}/ws/", "/etc/"]))
@@ -269,8 +310,9 @@ def test_no_generated_path_outside_the_workspace_or_the_trusted_roots_is_accepte
     symlink loop, naming nothing, is refused)."""
     ws, corpora, top = maze
     value = data.draw(paths(top))
-    override = data.draw(st.sampled_from([f"prepare.sft={json.dumps(value)}",
-                                          f"train.reward_funcs=[{{\"model\": {json.dumps(value)}}}]"]))
+    as_yaml = data.draw(st.sampled_from(YAML_FORMS))(value)
+    override = data.draw(st.sampled_from([f"prepare.sft={as_yaml}", f"prepare={{sft: {as_yaml}}}",
+                                          f"train.reward_funcs=[{{\"model\": {as_yaml}}}]"]))
     roots = [ws.resolve(), corpora.resolve()]
     try:
         load_params(ws, None, [override])

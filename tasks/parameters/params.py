@@ -421,22 +421,27 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
         params = Params.model_validate(raw)
     except ValidationError as err:
         raise ParamsError(_explain(err, path)) from err
-    _check_override_paths(root, params.trust.roots, override)
+    _check_override_paths(root, params, override)
     return params
 
 
-def _check_override_paths(root: Path, roots: list[str], override: dict) -> None:
-    """Every string an override sets, read as the file it would name in the workspace (`_resolved_path`: symlinks
-    followed), must lie under the workspace or a trust.roots folder: a run's overrides read no file the committed
-    pipeline does not. A word or a hub id names a path inside the workspace, so it passes unless a symlink there
-    of that name leads out."""
+def _check_override_paths(root: Path, params: Params, override: dict) -> None:
+    """Every string the stages will use where an override set a value, read as the file it would name in the
+    workspace (`_resolved_path`: symlinks followed), must lie under the workspace or a trust.roots folder: a run's
+    overrides read no file the committed pipeline does not. A word or a hub id names a path inside the workspace,
+    so it passes unless a symlink there of that name leads out.
+
+    The values checked are the validated ones, not the override's text or its YAML: YAML makes bytes (`!!binary`),
+    numbers, dates and nested lists, and pydantic turns some of them into the strings a stage opens (bytes into
+    str), so only the value after both is the one a stage will use."""
+    roots = params.trust.roots
     workspace = root.resolve()
     try:
         allowed = [workspace, *(_resolved_path(workspace, r) for r in roots)]
     except (OSError, RuntimeError, ValueError) as err:
         raise ParamsError(f"trust.roots: {roots} cannot be resolved ({err})") from None
     errors = []
-    for key, value in _leaves(override):
+    for key, value in _overridden_values(params, override):
         if not isinstance(value, str):
             continue
         try:
@@ -462,6 +467,17 @@ def _resolved_path(workspace: Path, value: str) -> Path:
     if value.startswith("~"):  # not Path's test: Path("./~") is Path("~"), yet "./~" names a file in the workspace
         path = path.expanduser()
     return (workspace / path).resolve()
+
+
+def _overridden_values(params: Params, override: dict) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of the validated `params` at or under a key `override` sets, as the stages
+    will read it (JSON mode: every path-like value a plain string)."""
+    overridden = set(flatten(override))  # dotted keys, TRL's names mapped to ours; a list is one key
+
+    def set_by_override(key: str) -> bool:
+        return any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in overridden)
+
+    return [(key, value) for key, value in _leaves(params.model_dump(mode="json")) if set_by_override(key)]
 
 
 def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
