@@ -24,7 +24,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test test-gpu test-server test-ui bench lint dvc-deps clean trl116
+.PHONY: setup run test test-gpu test-gpu-check test-server test-ui bench lint dvc-deps clean trl116
 
 setup: $(STAMP)
 
@@ -62,12 +62,18 @@ run: setup
 # order by --no-loadscope-reorder). PYTEST_WORKERS=0 runs them in this process, one after another.
 PYTEST_WORKERS ?= 2
 test: setup trl116
-	$(BIN)/python -m pytest -m "not gpu and not server and not ui" -n $(PYTEST_WORKERS) --dist loadfile \
+	$(BIN)/python -m pytest -m "not gpu and not gpu_check and not server and not ui" -n $(PYTEST_WORKERS) --dist loadfile \
 	  --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 # On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu -s $(PYTEST_ARGS)
+
+# The GPU check's CPU dry run (tests/test_gpu_check.py, marker `gpu_check`): bench/gpu_check.sh's every part at tiny
+# shapes, so that the one call on a lent GPU can fail only for a reason that needs a GPU. Run it before that call;
+# it is the GPU suite's, not make test's (~3 min of both cores on a quiet machine, ~9 on a slow one).
+test-gpu-check: setup trl116
+	$(BIN)/python -m pytest -m gpu_check $(PYTEST_ARGS) tests/test_gpu_check.py
 
 # The server stack live on loopback (docs/scaling-out.md): the server extra, PostgreSQL from Debian packages if
 # missing, then infra/stack.sh up ... down inside tests/test_server.py, the pipeline on the stack's Ray cluster

@@ -1,6 +1,7 @@
 """`bench/gpu_check.sh --cpu-dry-run`: the GPU check's every part (the decode loop against generate, the side-by-side
 against TRL 1.9.0 and 1.16.0, the gpu-marked tests, the DeepSpeed launches, the whole pipeline) at tiny shapes on the CPU, so
-the one GPU call can fail only for a reason that needs a GPU to show."""
+the one GPU call can fail only for a reason that needs a GPU to show. `make test-gpu-check` runs it (not `make test`:
+it is the GPU suite's rehearsal, ~3 min of both cores)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_check  # make test-gpu-check: before the GPU call, not in make test
 @pytest.mark.timeout(1600)  # the dry run's deadline is 1500 s (bench/gpu_check.sh)
 def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
