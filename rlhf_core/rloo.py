@@ -46,10 +46,13 @@ def compute_advantages(batch: Rollout, cfg: RLConfig,
     level, after any normalization) and its leave-one-out baseline (`rloo/baseline`).
     """
     opts, k, mask = cfg.rloo, cfg.rloo.rloo_k, batch.response_mask
-    kl = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * mask  # (B, R)
+    kl_all = ops.kl_penalty(batch.logprobs, batch.ref_logprobs, cfg.kl_estimator) * mask  # (B, R)
+    # the penalty sums the KL over the tokens the loss trains on, as TRL 1.16 (its completion mask): a completion
+    # mask_truncated_completions leaves out pays none, and its raw score stays in its group's baseline
+    kl = kl_all * batch.loss_mask
     non_score_reward = -cfg.kl_coef * kl.sum(1)  # (B,)
     rlhf_reward = batch.scores + non_score_reward  # (B,)
-    stats = {"kl": kl.sum(1), "non_score_reward": non_score_reward, "rlhf_reward": rlhf_reward}
+    stats = {"kl": kl_all.sum(1), "non_score_reward": non_score_reward, "rlhf_reward": rlhf_reward}
 
     if opts.kl_level == "sequence":
         reward = _standardize(rlhf_reward, rlhf_reward, reduce, opts.reward_clip_range) if opts.normalize_reward \
@@ -78,12 +81,10 @@ def compute_advantages(batch: Rollout, cfg: RLConfig,
 
 
 def loss_units(batch: Rollout, cfg: RLConfig | None = None) -> Tensor:
-    """Units the loss averages over, per episode (B,): one per sequence, or response tokens (none for an
-    episode left out of the loss)."""
+    """Units the loss averages over, per episode (B,): one per sequence (those mask_truncated_completions leaves
+    out included, at zero gradient, as TRL 1.16 counts them), or response tokens (none for one left out)."""
     if batch.advantages.shape[1] == 1:
-        if batch.in_loss is None:
-            return torch.ones(len(batch), dtype=torch.long, device=batch.queries.device)
-        return batch.in_loss.long()
+        return torch.ones(len(batch), dtype=torch.long, device=batch.queries.device)
     return batch.loss_mask.sum(1)
 
 
@@ -96,9 +97,10 @@ def loss(out: PolicyOutput, mb: Rollout, cfg: RLConfig) -> tuple[Tensor, dict[st
     """Clipped REINFORCE loss with the leave-one-out advantage (sequence- or token-level ratio)."""
     mask = mb.loss_mask
     if mb.advantages.shape[1] == 1:  # sequence level: ratio of summed log-probs
+        # a sequence out of the loss (mask_truncated_completions) sums no log-prob: ratio 1, a constant -A with no
+        # gradient, counted in the mean as TRL 1.16 counts it
         new, old = (out.logprobs * mask).sum(1, keepdim=True), (mb.logprobs * mask).sum(1, keepdim=True)
-        unit_mask = (torch.ones_like(new, dtype=torch.bool) if mb.in_loss is None
-                     else mb.in_loss[:, None])  # (B, 1)
+        unit_mask = torch.ones_like(new, dtype=torch.bool)  # (B, 1)
     else:
         new, old, unit_mask = out.logprobs, mb.logprobs, mask
     pg_loss, pg_clipfrac = ops.ppo_policy_loss(new, old, mb.advantages, unit_mask, cfg.cliprange, cfg.epsilon_high)

@@ -327,10 +327,27 @@ def _ours(algo, cfg: RLConfig, batch: Rollout, policy) -> dict:
     return {"batch": batch, "loss": loss.detach(), "stats": stats, "grads": grads}
 
 
-def _case(algo, world, config: dict, old=None) -> dict:
+def _ours_steps(cfg: RLConfig, batch: Rollout, policy) -> list[dict[str, torch.Tensor]]:
+    """The policy's weights after each optimizer step of our trainer's update phase (`RLTrainer.optimize`: its
+    shuffled mini-batch, micro-batches and accumulation) on `batch`, from `policy`'s weights."""
+    import copy
+
+    from rlhf_core.metrics import MetricAccumulator
+
+    trainer = RLTrainer(cfg, copy.deepcopy(policy), FunctionScorer(_length, None), [[2, 3]] * N_PROMPTS, pad_token_id=0,
+                        stop_token_id=1)
+    weights = []
+    trainer._sync_reference = lambda step: weights.append(  # called after each optimizer step
+        {name: p.detach().clone() for name, p in trainer.unwrapped.policy.named_parameters()})
+    filled, _ = trainer.compute_advantages(batch)
+    trainer.optimize(filled, MetricAccumulator())
+    return weights
+
+
+def _case(algo, world, config: dict, old=None, steps: dict | None = None) -> dict:
     model_dir, _, policy = world
     queries, responses, mask, rewards = _episodes(policy.config.vocab_size)
-    return {"algo": algo, "model_dir": str(model_dir), "policy_state": policy.state_dict(),
+    return {"algo": algo, "model_dir": str(model_dir), "policy_state": policy.state_dict(), "steps": steps,
             "prompt_ids": queries.tolist(), "rewards": rewards, "old_logprobs": old,
             "completion_ids": [row[:int(n)].tolist() for row, n in zip(responses, mask.sum(1), strict=True)],
             "config": dict(num_generations=K, max_completion_length=R, temperature=TEMPERATURE,
@@ -339,6 +356,16 @@ def _case(algo, world, config: dict, old=None) -> dict:
 
 GRPO_CASES = [(loss_type, level) for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
               for level in ("token", "sequence")]
+# beside the loss types: TRL's default beta 0 (no reference, no KL term), and the two other reward scalings
+GRPO_SETTINGS = {"beta0": dict(beta=0.0), "scale_batch": dict(scale_rewards="batch"),
+                 "scale_none": dict(scale_rewards="none")}
+# optimizer steps: two micro-batches accumulated into one step (forced old log-probs), and two iterations over one
+# generation (TRL computes the old log-probs itself); losses whose sum does not depend on how the micro-batches
+# are drawn (TRL shuffles them, ours too, differently), the high-entropy mask off for the same reason
+LR, ADAM_EPS = 1e-3, 1e-5
+GRPO_STEPS = {"micro2/grpo": dict(loss_type="grpo", micro_batches=2, iterations=1),
+              "micro2/dapo": dict(loss_type="dapo", micro_batches=2, iterations=1),
+              "iterations2/grpo": dict(loss_type="grpo", micro_batches=2, iterations=2)}
 
 
 @pytest.fixture(scope="module")
@@ -365,22 +392,49 @@ def trl_runs(tmp_path_factory, tiny_config) -> dict:
                  per_device_train_batch_size=len(queries), gradient_accumulation_steps=1,
                  local_rollout_forward_batch_size=len(queries))
     ours, cases = {}, []
-    for loss_type, level in GRPO_CASES:
-        options = dict(loss_type=loss_type, importance_sampling_level=level, scale_rewards="group", delta=1.25,
-                       top_entropy_quantile=0.6, beta=0.1, epsilon=0.2,
-                       epsilon_high=1.2 if loss_type == "cispo" else 0.28, mask_truncated_completions=True)
+    grpo_cases = {f"{loss_type}/{level}": dict(loss_type=loss_type, importance_sampling_level=level)
+                  for loss_type, level in GRPO_CASES}
+    grpo_cases.update({name: dict(loss_type="grpo", importance_sampling_level="token", **settings)
+                       for name, settings in GRPO_SETTINGS.items()})
+    for name, case in grpo_cases.items():
+        options = dict(scale_rewards="group", delta=1.25, top_entropy_quantile=0.6, beta=0.1, epsilon=0.2,
+                       epsilon_high=1.2 if case["loss_type"] == "cispo" else 0.28, mask_truncated_completions=True)
+        options.update(case)
         cfg = RLConfig(algo="grpo", num_generations=K, **sizes, **options)
-        ours[f"{loss_type}/{level}"] = _ours("grpo", cfg, replace(episodes, in_loss=contains_stop), policy)
+        ours[name] = _ours("grpo", cfg, replace(episodes, in_loss=contains_stop), policy)
         cases.append(_case("grpo", world, options, old=old))
-    # RLOO: TRL 1.16 puts the k1 KL of its own rollout log-probs in the reward, so ours takes the policy's too
-    cfg = RLConfig(algo="rloo", num_generations=K, beta=0.1, epsilon=0.2, kl_estimator="k1", **sizes)
-    ours["rloo"] = _ours("rloo", cfg, replace(episodes, logprobs=current), policy)
-    cases.append(_case("rloo", world, dict(beta=0.1, epsilon=0.2)))
+    for name, case in GRPO_STEPS.items():
+        micro, iterations = case["micro_batches"], case["iterations"]
+        options = dict(loss_type=case["loss_type"], scale_rewards="group", delta=1.25, beta=0.1, epsilon=0.2,
+                       epsilon_high=0.28, mask_truncated_completions=True)
+        cfg = RLConfig(algo="grpo", num_generations=K, **{**sizes, "per_device_train_batch_size": len(queries) // micro,
+                       "gradient_accumulation_steps": micro, "num_epochs": iterations}, learning_rate=LR,
+                       adam_eps=ADAM_EPS, weight_decay=0.0, lr_scheduler="constant", max_grad_norm=None, **options)
+        forced = old if iterations == 1 else None  # with iterations, TRL reads them off the policy as ours does
+        batch = replace(episodes, logprobs=current if forced is None else forced, in_loss=contains_stop)
+        ours[name] = {"weights": _ours_steps(cfg, batch, policy)}
+        steps = dict(micro_batches=micro, iterations=iterations, lr=LR, eps=ADAM_EPS)
+        cases.append(_case("grpo", world, {**options, "num_iterations": iterations}, old=forced, steps=steps))
+    # RLOO: TRL 1.16 puts the k1 KL of its own rollout log-probs in the reward, so ours takes the policy's too; with
+    # mask_truncated_completions a truncated completion pays no KL and counts in the loss's mean at zero gradient
+    for name, masked in (("rloo", False), ("rloo/masked", True)):
+        cfg = RLConfig(algo="rloo", num_generations=K, beta=0.1, epsilon=0.2, kl_estimator="k1",
+                       mask_truncated_completions=masked, **sizes)
+        ours[name] = _ours("rloo", cfg, replace(episodes, logprobs=current, in_loss=contains_stop if masked else None),
+                           policy)
+        cases.append(_case("rloo", world, dict(beta=0.1, epsilon=0.2, mask_truncated_completions=masked)))
     trl = _run_trl(tmp_path_factory.mktemp("trl116-runs"), cases)
-    return {name: (ours[name], theirs) for name, theirs in zip(ours, trl, strict=True)}
+    runs = {name: (ours[name], theirs) for name, theirs in zip(ours, trl, strict=True)}
+    runs["policy"] = ({}, {name: p.detach().clone() for name, p in policy.named_parameters()})
+    return runs
 
 
-@pytest.mark.parametrize("name", [f"{loss_type}/{level}" for loss_type, level in GRPO_CASES])
+def _world_weights(trl_runs: dict) -> tuple[None, None, dict[str, torch.Tensor]]:
+    """The policy's weights before any step (what every case started from)."""
+    return None, None, trl_runs["policy"][1]
+
+
+@pytest.mark.parametrize("name", [*(f"{loss_type}/{level}" for loss_type, level in GRPO_CASES), *GRPO_SETTINGS])
 def test_grpo_update_equals_trl_1_16(name, trl_runs):
     """One update's advantages, reference log-probs, loss and gradients equal TRL 1.16.0's (fp32 CPU)."""
     ours, trl = trl_runs[name]
@@ -388,18 +442,41 @@ def test_grpo_update_equals_trl_1_16(name, trl_runs):
     assert stats["cispo_clip_ratio" if name.startswith("cispo") else "clip_ratio/region_mean"] > 0, \
         "the case must clip somewhere"
     torch.testing.assert_close(batch.advantages, trl["advantages"][:, None], rtol=1e-5, atol=1e-6)
-    # TRL drops a truncated completion from the attention mask too (mask_truncated_completions): compare the rest
-    kept = batch.loss_mask
-    torch.testing.assert_close(batch.ref_logprobs * kept, trl["ref_per_token_logps"] * kept, rtol=1e-5, atol=1e-5)
+    if name == "beta0":  # TRL loads no reference at beta 0, and ours reads none into the loss
+        assert "ref_per_token_logps" not in trl and "kl" not in stats
+    else:  # TRL drops a truncated completion from the attention mask too (mask_truncated_completions): the rest
+        kept = batch.loss_mask
+        torch.testing.assert_close(batch.ref_logprobs * kept, trl["ref_per_token_logps"] * kept, rtol=1e-5, atol=1e-5)
     assert ours["loss"].item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-7)
     figures = _grads_close(ours["grads"], trl["grads"], name)
     print(f"grpo {name}: loss {ours['loss'].item():.6g} vs {trl['loss'].item():.6g}, gradients {figures}")
 
 
-def test_rloo_update_equals_trl_1_16(trl_runs):
-    """RLOO (the sequence's k1 KL in the reward, the summed-log-prob ratio) against TRL 1.16.0's RLOOTrainer."""
-    ours, trl = trl_runs["rloo"]
+@pytest.mark.parametrize("name", list(GRPO_STEPS))
+def test_grpo_optimizer_steps_equal_trl_1_16(name, trl_runs, tiny_config):
+    """Micro-batches accumulated into an optimizer step, and num_iterations > 1 (the second pass over a generation
+    with the moved policy against the generation's old log-probs): the weights after every AdamW step equal TRL
+    1.16.0's to float rounding (Adam divides each gradient by its own magnitude: tolerance 2 % of the step)."""
+    ours, trl = trl_runs[name]
+    _, _, policy = _world_weights(trl_runs)
+    assert len(ours["weights"]) == len(trl["weights"]) == GRPO_STEPS[name]["iterations"]
+    for step, (mine, theirs) in enumerate(zip(ours["weights"], trl["weights"], strict=True), 1):
+        assert set(mine) == set(theirs), "parameters differ"
+        moved = max((theirs[k] - policy[k]).abs().max().item() for k in theirs)
+        assert moved > LR / 2, f"step {step}: TRL's weights did not move; the check would be empty"
+        for key in mine:
+            torch.testing.assert_close(mine[key] - policy[key], theirs[key] - policy[key], rtol=1e-3, atol=0.02 * LR,
+                                       msg=f"{name}, step {step}: {key}")
+
+
+@pytest.mark.parametrize("name", ["rloo", "rloo/masked"])
+def test_rloo_update_equals_trl_1_16(name, trl_runs):
+    """RLOO (the sequence's k1 KL in the reward, the summed-log-prob ratio) against TRL 1.16.0's RLOOTrainer, and
+    with mask_truncated_completions: a truncated completion's reward carries no KL penalty (its tokens are out of
+    the mask the KL is summed over), it stays in its group's baseline, and it counts in the loss's mean at zero
+    gradient."""
+    ours, trl = trl_runs[name]
     torch.testing.assert_close(ours["batch"].advantages.view(-1), trl["advantages"].view(-1), rtol=1e-5, atol=1e-5)
     assert ours["loss"].item() == pytest.approx(trl["loss"].item(), rel=1e-5, abs=1e-6)
-    figures = _grads_close(ours["grads"], trl["grads"], "rloo")
-    print(f"rloo: loss {ours['loss'].item():.6g} vs {trl['loss'].item():.6g}, gradients {figures}")
+    figures = _grads_close(ours["grads"], trl["grads"], name)
+    print(f"{name}: loss {ours['loss'].item():.6g} vs {trl['loss'].item():.6g}, gradients {figures}")
