@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from rlhf_core.reward_functions import RewardFn, import_reward_function  # noqa: F401 (re-exported)
+from rlhf_core.reward_functions import RewardFn
 from rlhf_core.rollout import Rollout, backbone_hidden, prompt_groups, score_head, shared_prompt_forward
 
 GoldFn = Callable[[str, str, bool], float]

@@ -303,7 +303,7 @@ NOT_CALLABLE = 3
 
 
 def test_reward_functions_by_import_path_and_their_errors():
-    from rlhf_core.scoring import import_reward_function
+    from rlhf_core.reward_functions import import_reward_function
 
     assert import_reward_function("test_trl_options:length_reward") is length_reward
     for path, message in (("test_trl_options.length_reward", "expected 'package.module:function'"),

@@ -22,16 +22,10 @@ from rlhf_core.hub import load_tokenizer
 from rlhf_core.jsonio import atomic_path, read_jsonl, write_json, write_jsonl
 from rlhf_core.lora import save_lora_policy, with_lora
 from rlhf_core.models import load_policy, load_scorer_model, reward_model_from_policy
+from rlhf_core.reward_functions import import_reward_function
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.runtime import Runtime
-from rlhf_core.scoring import (
-    FunctionScorer,
-    GoldScorer,
-    RewardModelScorer,
-    Scorer,
-    WeightedScorer,
-    import_reward_function,
-)
+from rlhf_core.scoring import FunctionScorer, GoldScorer, RewardModelScorer, Scorer, WeightedScorer
 from rlhf_core.trace import trace_due, trace_update
 from rlhf_core.tracking import JsonlTracker, NullTracker
 from tasks.checks.model_checks import check_lora_settings, check_reward_model, check_tokenizers
