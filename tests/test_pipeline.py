@@ -97,6 +97,29 @@ def test_params_errors_name_the_key(workspace):
     assert load_params(workspace, overrides=["train.kl_coef=0.1"]).rl_config().kl_coef == 0.1
 
 
+def test_params_errors_name_where_the_bad_value_came_from(workspace):
+    """A typo in `--set` is the run's overrides' fault, not params.yaml's, which the user did not edit; a profile's
+    is its file's; params.yaml's its own."""
+    with pytest.raises(ParamsError) as err:
+        load_params(workspace, overrides=["train.kl_cof=0.1"])
+    assert str(err.value).startswith("the run's overrides: invalid parameters\n  train.kl_cof: unknown key")
+    with pytest.raises(ParamsError, match="^the run's overrides: train.seed is not a parameter"):
+        load_params(workspace, overrides=["train.seed=3"])
+    profile = workspace / "profiles" / "typo.yaml"
+    profile.parent.mkdir(exist_ok=True)
+    profile.write_text("train: {kl_coef: lots}\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(workspace, "typo")
+    assert str(err.value).startswith(f"{profile}: invalid parameters\n  train.kl_coef: "), err.value
+    with pytest.raises(ParamsError) as err:  # the override outranks the profile's bad value: blamed for its own
+        load_params(workspace, "typo", ["train.kl_coef=nope"])
+    assert str(err.value).startswith("the run's overrides: invalid parameters"), err.value
+    (workspace / "params.yaml").write_text((workspace / "params.yaml").read_text() + "\nevaluate: {bogus: 1}\n")
+    with pytest.raises(ParamsError) as err:
+        load_params(workspace, "typo", ["train.kl_coef=nope"])
+    assert str(err.value).startswith(f"the run's overrides and {workspace / 'params.yaml'}: invalid parameters")
+
+
 def test_real_profile_runs_on_local_copies(workspace, make_policy, make_scorer_model, tokenizer):
     """tldr-pythia-1b with its hub ids replaced by local copies saved the way the hub stores them."""
     shutil.copytree(REPO / "profiles", workspace / "profiles")

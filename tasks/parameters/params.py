@@ -414,13 +414,16 @@ def load_params(root: str | Path = ".", profile: str | None = None, overrides: l
             raw = deep_merge(raw, nested(key, dotted(params_yaml, key)))
     raw = deep_merge(raw, override)
     raw.setdefault("base", {})["profile"] = profile
+    layers = {"the run's overrides": flatten(override),
+              **({str(profile_path): flatten(profile_data)} if profile != "demo" else {})}
     for section in ("sft", "reward_model", "train"):
         if isinstance(raw.get(section), dict) and "seed" in raw[section]:
-            raise ParamsError(f"{path}: {section}.seed is not a parameter; every stage is seeded by base.seed")
+            raise ParamsError(f"{_origin(f'{section}.seed', path, layers)}: {section}.seed is not a parameter; every "
+                              "stage is seeded by base.seed")
     try:
         params = Params.model_validate(raw)
     except ValidationError as err:
-        raise ParamsError(_explain(err, path)) from err
+        raise ParamsError(_explain(err, path, layers)) from err
     _check_override_paths(root, params, override)
     return params
 
@@ -500,8 +503,19 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return sorted([*model.model_fields, *(TRAIN_ALIASES if model is TrainParams else ())])
 
 
-def _explain(err: ValidationError, path: Path) -> str:
-    lines = [f"{path}: invalid parameters"]
+def _origin(key: str, path: Path, layers: Mapping[str, Mapping[str, Any]]) -> str:
+    """Which layer set dotted `key` (or a section above it): the run's overrides, the profile, else params.yaml."""
+    for origin, keys in layers.items():  # overrides first: they win over the profile
+        if any(k == key or k.startswith(f"{key}.") or key.startswith(f"{k}.") for k in keys):
+            return origin
+    return str(path)
+
+
+def _explain(err: ValidationError, path: Path, layers: Mapping[str, Mapping[str, Any]]) -> str:
+    """The refusal, headed by where the bad values came from (the run's overrides, the profile or params.yaml: the
+    file a user would look in is the one named)."""
+    origins = dict.fromkeys(_origin(".".join(map(str, e["loc"])), path, layers) for e in err.errors()) or [str(path)]
+    lines = [f"{' and '.join(origins)}: invalid parameters"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
