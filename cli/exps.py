@@ -113,7 +113,9 @@ def table(rows: list[dict], extra: list[str], width: int = WIDTH) -> str:
         names -= 1
         optional, lines = fit(names, False)
     shown = [*fixed, *optional]
-    notes = [f"params: {', '.join(shown)}"]
+    # the columns always there, apart from those there because the rows differ in them
+    notes = [f"columns: {', '.join(fixed)}" + (f"; differing between the rows: {', '.join(optional)}" if optional
+                                               else "")]
     if hidden := [k for k in changed if k not in shown]:
         notes.append(f"also differ (--param KEY to show): {', '.join(hidden)}")
     for row in rows:
