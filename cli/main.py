@@ -13,6 +13,7 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from cli.committed_results import say_rewritten_results, unchanged_results
 from cli.exps import exps
 from cli.from_trl import from_trl
 from cli.models import app as models_app
@@ -163,6 +164,7 @@ def run(profile: Profile = None, overrides: Overrides = None,
         raise typer.Exit(2) from None
     check_servers_or_exit()  # a PREFECT_API_URL or MLFLOW_TRACKING_URI that does not answer fails now, before any stage
     say_local_edits(root)
+    unchanged_results_before = unchanged_results(root)
     use_local_prefect(root)
     quiet_libraries()
     from flows import interrupt
@@ -187,6 +189,7 @@ def run(profile: Profile = None, overrides: Overrides = None,
         typer.echo(f"error: the pipeline run failed: {state.message}", err=True)
         raise typer.Exit(1)
     print_run_summary(root, state.result(), tracking_uri(root) if tracking_enabled() else None, _registry_line(root))
+    say_rewritten_results(root, unchanged_results_before)
 
 
 def _report_without_prefect(root: Path, err: Exception, started: float) -> NoReturn:

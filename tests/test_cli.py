@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
 
 import pytest
 import typer.main
@@ -204,3 +205,35 @@ def test_transformers_progress_bars_are_off_without_importing_it_at_start(preimp
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines()[-1] == f"{preimported} False", out.stdout[-2000:]
+
+
+def test_a_run_that_rewrites_committed_results_says_why_and_what_to_do(tmp_path, capsys):
+    """The first run in a fresh clone on another CPU rewrites dvc.lock and metrics/ in their last digits: the run
+    names the files it changed (not those edited before it), says why, and how to keep or drop them."""
+    from cli.committed_results import say_rewritten_results, unchanged_results
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "metrics").mkdir()
+    for name in ("dvc.lock", "metrics/eval.json", "metrics/sft.json", "params.yaml"):
+        (tmp_path / name).write_text("{}\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "results")
+    (tmp_path / "metrics" / "sft.json").write_text('{"edited": "by hand"}\n')  # before the run: not the run's doing
+    before = unchanged_results(tmp_path)
+    assert before == {"dvc.lock", "metrics/eval.json"}
+    say_rewritten_results(tmp_path, before)
+    assert capsys.readouterr().err == "", "nothing rewritten yet: nothing said"
+    (tmp_path / "dvc.lock").write_text("{1}\n")
+    (tmp_path / "metrics" / "eval.json").write_text('{"win_rate_gold": 0.92}\n')
+    (tmp_path / "params.yaml").write_text("x: 1\n")  # not a result
+    say_rewritten_results(tmp_path, before)
+    note = capsys.readouterr().err
+    assert note.startswith("note: this run rewrote committed results: dvc.lock, metrics/eval.json."), note
+    assert "sft.json" not in note and "params.yaml" not in note
+    assert "differ in their last digits between CPUs" in note
+    assert "git commit -m 'results on this machine' -- dvc.lock metrics" in note
+    assert "git checkout -- dvc.lock metrics" in note
+    assert unchanged_results(tmp_path / "metrics" / "nowhere") == set(), "outside git: nothing to say"
