@@ -38,6 +38,8 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
+from rlhf_core.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_VERSION = "1.9.0"
@@ -140,14 +142,23 @@ def side_commands(ours_env: str, peer: str, trl_pythonpath: str | None, ours_pyt
     return sides
 
 
+def allocator_env(setting: str) -> dict[str, str]:
+    """TRL's side's environment for `--trl-allocator`: 'same' gives glibc the thresholds our process sets itself
+    (rlhf_core/allocator.py, through the variables glibc reads at start), 'default' leaves glibc's."""
+    if setting == "default":
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+
+
 def launch(python: str, script: Path, workload: Path, algo: str, device: str, precision: str,
-           pythonpath: str | None, *extra: str) -> list[dict]:
+           pythonpath: str | None, *extra: str, env_extra: dict[str, str] | None = None) -> list[dict]:
     """One side launched as its users launch it, on one algorithm (ours: its decode_graphs modes, `extra`, in
     turn); returns its RESULT lines."""
     cmd = [python, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
            "--mixed_precision", precision, "--dynamo_backend", "no", *(["--cpu", "--num_cpu_threads_per_process", str(os.cpu_count())] if device == "cpu" else []),
            str(script), str(workload), algo, *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           **(env_extra or {})}
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -219,7 +230,8 @@ def machine() -> str:
 
 def markdown(summary: dict, args: argparse.Namespace, spec: dict) -> str:
     lines = [f"### {datetime.date.today()} · {spec['shapes']} · {args.device} · {args.precision} · "
-             f"{args.pairs} pairs", "", f"Machine: {machine()}. Our side in the {args.ours_env} environment. "
+             f"{args.pairs} pairs", "", f"Machine: {machine()}. Our side in the {args.ours_env} environment; TRL's "
+             f"allocator: {args.trl_allocator}. "
              f"Command: `python bench/{Path(__file__).name} " + " ".join(sys.argv[1:]) + "`", "",
              "| algo | side | ep/s | peak memory | runs | phases (s/update) |", "|---|---|---|---|---|---|"]
     for algo, row in summary.items():
@@ -263,6 +275,9 @@ def main() -> None:
                         help="shared: our side in TRL's environment (same packages); project: in this one")
     parser.add_argument("--ours-pythonpath", default=None, help="PYTHONPATH for our side (default: inherited)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
+    parser.add_argument("--trl-allocator", choices=["same", "default"], default="same",
+                        help="same: TRL's side keeps freed memory as ours does (glibc's thresholds, "
+                             "rlhf_core/allocator.py); default: glibc's own")
     args = parser.parse_args()
     shapes = args.shapes or ("pythia-1b" if args.device == "cuda" else "bench-tiny")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "no")
@@ -286,7 +301,8 @@ def main() -> None:
                 python, script, pythonpath = sides[side]
                 extra = [",".join(graph_modes)] if side == "ours" else []
                 try:
-                    results = launch(python, script, workload, algo, args.device, args.precision, pythonpath, *extra)
+                    results = launch(python, script, workload, algo, args.device, args.precision, pythonpath, *extra,
+                                     env_extra=None if side == "ours" else allocator_env(args.trl_allocator))
                 except RuntimeError as error:  # recorded; the other sides still run
                     print(error, file=sys.stderr, flush=True)
                     failed.append({"side": side, "algo": algo, "error": str(error)[-2000:]})

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
+from rlhf_core.allocator import keep_freed_memory
 from rlhf_core.config import RLConfig
 from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.models import init_causal_lm, init_sequence_scorer, tiny_gpt_neox_config
@@ -151,7 +152,9 @@ def warm_up() -> None:
 
 
 def run_bench(algo: str, updates: int = 5) -> dict:
-    """Train `updates` updates on bench-tiny; returns throughput, peak memory and the last metrics."""
+    """Train `updates` updates on bench-tiny; returns throughput, peak memory and the last metrics. The process
+    keeps the memory its steps free, as every training stage does (`Runtime`; rlhf_core/allocator.py)."""
+    kept = keep_freed_memory()
     warm_up()
     trainer = build_trainer(algo, updates)
     start = time.perf_counter()
@@ -164,5 +167,6 @@ def run_bench(algo: str, updates: int = 5) -> dict:
             "episodes_per_s": round(episodes / train_s, 2), "peak_rss_mib": round(peak_rss_mib(), 1),
             "model_gflop_per_s": round(achieved / 1e9, 2), "peak_matmul_gflop_per_s": round(peak / 1e9, 1),
             "mfu": round(achieved / peak, 4), "threads": torch.get_num_threads(),  # at the end: it adapts
+            "freed_memory_kept": kept,
             "phases_s": {phase: round(seconds, 4) for phase, seconds in median_phases(history).items()},
             "metrics": history[-1]}

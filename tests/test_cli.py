@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 
-BENCH_KEYS = {"algo", "updates", "episodes", "train_s", "episodes_per_s", "peak_rss_mib", "mfu", "phases_s", "metrics"}
+BENCH_KEYS = {"algo", "updates", "episodes", "train_s", "episodes_per_s", "peak_rss_mib", "mfu", "phases_s", "metrics",
+              "freed_memory_kept"}
 
 
 @pytest.mark.parametrize("algo", ["ppo", "rloo"])
@@ -24,6 +25,7 @@ def test_bench_json(algo):
     assert report["episodes"] == 64 and report["episodes_per_s"] > 0 and report["peak_rss_mib"] > 0
     assert "objective/scores" in report["metrics"] and "time/update_s" in report["metrics"]
     assert set(report["phases_s"]) == {"rollout", "score", "advantages", "update"}
+    assert report["freed_memory_kept"] is True, "the bench keeps freed memory as every training stage does"
     assert report["phases_s"]["update"] == pytest.approx(report["metrics"]["time/update_s"], abs=1e-4)  # 1 update
     if algo == "ppo":
         assert "loss/value_avg" in report["metrics"]
