@@ -125,6 +125,9 @@ def _stage(name: str, profile: str | None, overrides: list[str] | None) -> None:
         command = launch_command(runtime, name, args)
     except (ParamsError, ValueError) as err:  # a RuntimeSettingError is a ValueError
         typer.echo(f"error: {err}", err=True)
+        from tasks.execution.put_back import put_back_missing
+
+        put_back_missing(name)  # under plain `dvc repro` its outputs are deleted already: the last good come back
         raise typer.Exit(2) from None
     if command is not None:
         raise typer.Exit(run_launched(command, runtime))

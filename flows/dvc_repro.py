@@ -5,6 +5,11 @@ subprocess (`python -m flows.dvc_repro NAME RESULT_JSON`) calls DVC's API rather
 can say whether the stage ran or was skipped without parsing messages. Its output (the stage's own, with
 its progress bars) is relayed to this process's stdout as it comes and kept in a log file, whose tail
 names the failure when the stage fails.
+
+A stage that does not finish puts its last good outputs back itself (tasks/execution/put_back.py, in the stage
+process, whichever way it was started). What it cannot do is left here: finish a put-back whose process was
+killed outright (`finish_abandoned`, before and after each stage), and give a put-back in progress its time when
+the stage is stopped (stop_stages).
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from typing import BinaryIO
 from rlhf_core.jsonio import read_json_object, write_json
 from tasks.execution.launcher import stop_group
 from tasks.execution.outcome import OUTCOME_ENV, retry_reason
+from tasks.execution.put_back import finish_abandoned, in_progress
 from tasks.execution.transient import transient_cause
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STOP_GRACE_S = 5.0  # a stopped stage's time to end its MLflow run and DVC's lock before the next signal
-RUNNING: set[subprocess.Popen] = set()  # the stage subprocesses of this process now running
+RUNNING: dict[subprocess.Popen, Path] = {}  # the stage subprocesses of this process now running: their workspace
 STOPPED: set[subprocess.Popen] = set()  # those stop_stages() stopped
 
 
@@ -81,6 +87,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
     """Reproduce stage `name` (if changed) with `root` as the working directory; output to `log` (+ `echo`,
     and each complete line to `on_line`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    _finish_abandoned(root)
     fd, result_file = tempfile.mkstemp(prefix=f"rlhf-{name}-", suffix=".json")
     os.close(fd)
     outcome_file = Path(result_file).with_suffix(".outcome.json")  # the stage's own (tasks/execution/outcome.py)
@@ -91,7 +98,7 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
         with log.open("wb", buffering=0) as out, subprocess.Popen(  # unbuffered: the log reads as the stage runs
                 [sys.executable, "-m", "flows.dvc_repro", name, result_file], cwd=root, env=dict(env),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True) as proc:
-            RUNNING.add(proc)
+            RUNNING[proc] = Path(root)
             lines = LineSplitter(on_line or (lambda line: None))
             try:
                 for chunk in iter(lambda: proc.stdout.read1(1 << 16), b""):  # read1: relay redraws as they come
@@ -102,24 +109,43 @@ def repro_stage(root: str | Path, name: str, log: Path, env: Mapping[str, str],
                         echo.flush()
             finally:
                 lines.close()
-                RUNNING.discard(proc)
+                RUNNING.pop(proc, None)
                 STOPPED.discard(proc)
         outcome = read_json_object(result_file) or {}
         why = None if proc.returncode == 0 else outcome.get("retry_reason") or retry_reason(outcome_file)
     finally:
         Path(result_file).unlink(missing_ok=True)
         outcome_file.unlink(missing_ok=True)
+    if proc.returncode != 0:  # a stage killed outright (stop_stages' SIGKILL, the OOM killer) left its put-back here
+        _finish_abandoned(root, log)
     return ReproResult(name, proc.returncode, bool(outcome.get("ran", False)), time.monotonic() - start, log,
                        restored=bool(outcome.get("restored", False)), retry_reason=why)
 
 
 def stop_stages(grace_s: float = STOP_GRACE_S) -> None:
     """Stop every running stage subprocess with its children: SIGINT first (the stage marks its MLflow run
-    KILLED and DVC cleans up), then SIGTERM and SIGKILL to the process group after `grace_s` each."""
-    for proc in list(RUNNING):
+    KILLED and puts its last good outputs back), then SIGTERM and SIGKILL to the process group after `grace_s`
+    each; never SIGKILL while the stage is putting its outputs back (it waits for that, up to an hour)."""
+    for proc, root in list(RUNNING.items()):
         STOPPED.add(proc)
         steps = [(sig, grace_s) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)]
-        threading.Thread(target=stop_group, args=(proc, steps), daemon=True).start()
+        threading.Thread(target=stop_group, args=(proc, steps, lambda root=root: in_progress(root)),
+                         daemon=True).start()
+
+
+def _finish_abandoned(root: str | Path, log: Path | None = None) -> None:
+    """Finish the put-back of any stage of `root` whose process was killed before finishing it (put_back.py); said
+    on stderr and at the end of the stage's `log`."""
+    try:
+        finished = finish_abandoned(root)
+        line = f"dvc_repro: put back the outputs of {', '.join(finished)}, whose process was killed" if finished else ""
+    except Exception as err:  # noqa: BLE001 - said; the stage's next run clears what is left
+        line = f"dvc_repro: could not finish a killed stage's put-back in {root}: {err}"
+    if line:
+        print(line, file=sys.stderr, flush=True)
+        if log is not None:
+            with log.open("a") as out:
+                out.write(line + "\n")
 
 
 def clean_lines(raw: str) -> list[str]:
@@ -144,15 +170,14 @@ def main(argv: list[str]) -> int:
     """`python -m flows.dvc_repro NAME RESULT_JSON`: reproduce NAME; write {"ran": bool, "restored": bool}, or on
     DVC's failure {"ran": false, "retry_reason": why a retry may fix it, or null}.
 
-    DVC deletes a stage's outputs before running it. A stage that fails, or is stopped (Ctrl-C, SIGTERM, a cancel
-    from the UI: stop_stages), therefore gets its outputs of the last good run put back (_LastGood): the workspace
-    is as it was before the run, and dvc.lock (which DVC writes only on success) still describes it."""
+    A stage that fails or is stopped (Ctrl-C, SIGTERM, a cancel from the UI: stop_stages) puts its last good
+    outputs back itself, before its command exits (tasks/execution/put_back.py)."""
     name, result_file = argv
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
     # SIGTERM (stop_stages after its grace, or a kill of the group) goes to the stage too: this process lives on
-    # until the stage has exited, to put its outputs back, instead of dying first and leaving them deleted
+    # until the stage has exited (put its outputs back), so that DVC's lock is released in order
     signal.signal(signal.SIGTERM, lambda signum, frame: print("dvc_repro: SIGTERM; waiting for the stage to end",
                                                                file=sys.stderr, flush=True))
     restored: list[str] = []
@@ -160,17 +185,7 @@ def main(argv: list[str]) -> int:
         with Repo(".") as repo:
             repo.scm_context.quiet = True  # no "git add dvc.lock" hint after every stage
             _note_run_cache_restores(repo, restored)
-            last_good = _LastGood(repo, name)
-            try:
-                ran = repo.reproduce(name, single_item=True)
-            except BaseException:
-                try:
-                    last_good.put_back()
-                except Exception as err:  # a cache without them (gc'd): the rerun makes them again
-                    print(f"dvc_repro: could not put back stage {name}'s last good outputs: {err}", file=sys.stderr)
-                raise
-            finally:
-                last_good.discard()
+            ran = repo.reproduce(name, single_item=True)
     except DvcException as err:  # DVC's own failure (its lock, a missing dep), or the stage command's exit
         print(f"dvc: {_error_chain(err)}", file=sys.stderr)
         cause = transient_cause(err)
@@ -179,58 +194,6 @@ def main(argv: list[str]) -> int:
     # a stage DVC restored from its run cache "ran" for DVC (dvc.lock rewritten) but its command did not run
     write_json(result_file, {"ran": bool(ran) and not restored, "restored": bool(restored)})
     return 0
-
-
-class _LastGood:
-    """A stage's outputs as dvc.lock records them, kept to be put back if its run does not succeed: the cached ones
-    are in DVC's cache already (`dvc checkout` of the stage brings them back); the `cache: false` ones (metrics
-    JSON, small) and the `persist` ones (register.json: DVC leaves them to the stage, which may have changed them)
-    are copied aside first. Nothing is kept for a stage that has no dvc.lock entry yet."""
-
-    def __init__(self, repo, name: str):
-        self.repo, self.name, self.copies = repo, name, None
-        try:
-            [stage] = repo.stage.collect(name)
-        except Exception:  # not a stage of dvc.yaml: reproduce says so
-            self.stage = None
-            return
-        self.stage = stage if stage.outs and all(out.hash_info for out in stage.outs) else None
-        if self.stage is None:
-            return
-        self.copies = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-last-good-"))
-        for i, out in enumerate(self._aside()):
-            path = Path(out.fs_path)
-            if path.is_dir():
-                shutil.copytree(path, self.copies / str(i) / path.name, symlinks=True)
-            elif path.exists():
-                (self.copies / str(i)).mkdir()
-                shutil.copy2(path, self.copies / str(i) / path.name)
-
-    def _aside(self) -> list:
-        return [out for out in self.stage.outs if not out.use_cache or out.persist]
-
-    def put_back(self) -> None:
-        if self.stage is None:
-            return
-        for i, out in enumerate(self._aside()):
-            path, kept = Path(out.fs_path), self.copies / str(i) / Path(out.fs_path).name
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-            if kept.is_dir():
-                shutil.copytree(kept, path, symlinks=True)
-            elif kept.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(kept, path)
-        if any(out.use_cache and not out.persist for out in self.stage.outs):
-            self.repo.checkout(targets=[self.name], force=True)  # persisted ones are back from their copies already
-        print(f"dvc_repro: stage {self.name} did not finish: its outputs of the last good run (dvc.lock) are back",
-              file=sys.stderr, flush=True)
-
-    def discard(self) -> None:
-        if self.copies is not None:
-            shutil.rmtree(self.copies, ignore_errors=True)
 
 
 def _note_run_cache_restores(repo, restored: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Run one stage by name in a workspace: params loaded and validated once, the stage inside its MLflow run.
+"""Run one stage by name in a workspace: params loaded and validated once, the stage inside its MLflow run, its
+outputs guarded (a run that does not finish puts back the last good ones: tasks/execution/put_back.py).
 
 `rlhf stage NAME` (what dvc.yaml calls) comes here.
 """
@@ -12,12 +13,14 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 from rlhf_core.threads import fit_threads
 from tasks.dag.stage_modules import STAGES
 from tasks.execution.figures import write_execution
 from tasks.execution.launcher import LAUNCHED_ENV, MODEL_STAGES, is_main_process
+from tasks.execution.put_back import guarded_outputs
 from tasks.parameters.params import load_params
 from tasks.parameters.paths import Paths
 from tasks.tracking.stage_tracking import log_history, track_stage
@@ -36,6 +39,15 @@ def check_stage_name(name: str) -> None:
 
 def run_stage(name: str, root: str | Path = ".", profile: str | None = None, overrides: Sequence[str] = ()) -> dict:
     check_stage_name(name)
+    # the process that writes the outputs guards them, from before params load (DVC has deleted them by now). Rank 0
+    # of a torchrun/accelerate launch keeps SIGTERM's default: its launcher sends it to stop the ranks, and a rank
+    # blocked in a collective would not unwind before the launcher's SIGKILL; its put-back is finished after it.
+    guard = guarded_outputs(name, root, sigterm=not os.environ.get(LAUNCHED_ENV))
+    with guard if is_main_process() else nullcontext():
+        return _run(name, root, profile, overrides)
+
+
+def _run(name: str, root: str | Path, profile: str | None, overrides: Sequence[str]) -> dict:
     threads = fit_threads()  # before any torch work: this stage's share of the cores (rlhf_core/threads.py)
     params = load_params(root, profile, list(overrides))
     if on_ray(params.runtime, name):  # this process is the driver; the ranks run this function on the cluster

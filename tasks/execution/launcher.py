@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,8 @@ LAUNCHED_ENV = "RLHF_LAUNCHED"
 # inspect and evaluate run on rank 0 (they record the launch they ran under, and prove it works before train)
 MODEL_STAGES = ("sft", "reward-model", "inspect", "train", "evaluate")
 GRACE_S = 30  # after SIGTERM, how long the ranks get to exit before SIGKILL
+BUSY_LIMIT_S = 3600  # the longest stop_group waits for a put-back before SIGKILL (a 1 GiB one takes seconds)
+BUSY_EXIT_S = 30  # after a put-back, the time a stopped stage (and DVC) gets to exit before SIGKILL
 
 
 _checkpoint_listeners: list[Callable[[Path], None]] = []
@@ -122,9 +125,14 @@ def raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def stop_group(proc: subprocess.Popen, steps: Sequence[tuple[signal.Signals, float]]) -> None:
-    """Signal `proc`'s whole process group with each (signal, seconds to wait) of `steps` in turn, until it exits."""
+def stop_group(proc: subprocess.Popen, steps: Sequence[tuple[signal.Signals, float]],
+               busy: Callable[[], bool] | None = None, busy_limit_s: float = BUSY_LIMIT_S) -> None:
+    """Signal `proc`'s whole process group with each (signal, seconds to wait) of `steps` in turn, until it exits.
+    No SIGKILL while `busy()` says the group does what must not be cut (a stage putting its outputs back:
+    tasks/execution/put_back.py): it waits for that to end, up to `busy_limit_s`."""
     for sig, wait_s in steps:
+        if sig == signal.SIGKILL and busy is not None and _waited_out(proc, busy, busy_limit_s):
+            return
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -134,3 +142,21 @@ def stop_group(proc: subprocess.Popen, steps: Sequence[tuple[signal.Signals, flo
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _waited_out(proc: subprocess.Popen, busy: Callable[[], bool], limit_s: float) -> bool:
+    """Wait while `busy()`, up to `limit_s`, then the time it takes to exit after it (BUSY_EXIT_S); whether it
+    exited."""
+    give_up, was_busy = time.monotonic() + limit_s, False
+    while busy() and time.monotonic() < give_up:
+        was_busy = True
+        try:
+            proc.wait(timeout=0.5)
+            return True
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        proc.wait(timeout=BUSY_EXIT_S if was_busy else 0)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
