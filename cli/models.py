@@ -1,6 +1,8 @@
 """`rlhf models list | compare | promote`: the MLflow model registry of trained policies.
 
-Reads the store of this workspace (`sqlite:///./mlflow.db`) or `MLFLOW_TRACKING_URI`.
+Reads the store of this workspace (`sqlite:///./mlflow.db`) or `MLFLOW_TRACKING_URI`. On a tracking server every
+read and write is retried through an outage as the stages' are (RLHF_MLFLOW_RETRY_S); `promote` writes the record
+of why before it moves the alias (tasks/stages/register.py).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ def _versions(client, name: str) -> list:
     """All versions of `name`, newest first; exits with a message when there are none."""
     from mlflow.exceptions import MlflowException
 
+    from tasks.tracking.mlflow_store import TrackingError
+
     try:
         versions = client.search_model_versions(f"name = '{name}'")
-    except MlflowException as err:
-        typer.echo(f"error: {err.message}", err=True)
+    except (MlflowException, TrackingError) as err:
+        typer.echo(f"error: {getattr(err, 'message', err)}", err=True)
         raise typer.Exit(2) from None
     if not versions:
         typer.echo(f"no versions of {name!r} in {_uri()}; run the pipeline (it registers the policy) first", err=True)
@@ -48,10 +52,12 @@ def _uri() -> str:
 
 
 def _client():
-    from tasks.tracking.mlflow_store import TrackingError, get_client
+    """The store's client; on a server each call retried through an outage (mlflow_tracker.retrying_client)."""
+    from tasks.tracking.mlflow_store import TrackingError
+    from tasks.tracking.mlflow_tracker import retrying_client
 
     try:
-        return get_client(".")
+        return retrying_client(".")
     except TrackingError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -200,6 +206,7 @@ def promote_version(version: Annotated[str, typer.Argument(help="The version to 
 
     A version the gate rejected at registration is promoted only with --force and a --reason."""
     from tasks.stages.register import current_user, promote
+    from tasks.tracking.mlflow_store import TrackingError
     from tasks.tracking.registry import CHAMPION, DECISION_TAG, REASON_TAG, champion_of, tag
 
     client, name = _client(), _model_name(name)
@@ -221,6 +228,10 @@ def promote_version(version: Annotated[str, typer.Argument(help="The version to 
                        f"anyway, pass --force with a --reason saying why", err=True)
             raise typer.Exit(2)
         typer.echo(f"overriding the gate's decision at registration: {overrides}")
-    former = promote(client, name, version, by=current_user(), reason=reason or "promoted by hand",
-                     overrides=overrides)
+    try:
+        former = promote(client, name, version, by=current_user(), reason=reason or "promoted by hand",
+                         overrides=overrides)
+    except TrackingError as err:  # an outage past RLHF_MLFLOW_RETRY_S, or a write refused: what was done, what not
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(f"{name}: champion {'v' + former if former else '(none)'} -> v{version}")

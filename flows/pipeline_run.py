@@ -6,7 +6,8 @@ of processes that died (mlflow_store.end_runs_of_dead_processes).
 
 Its writes go as a stage's do (tasks/tracking/mlflow_tracker.py): on a tracking server, opening it is retried and
 made once; its params, artifacts, metrics and end are queued and retried through an outage, and closing it
-waits for them, then fails the run naming what was not sent or what was refused."""
+waits for them, then fails the run naming what was not sent or what was refused. Its reads (the run, its stage
+runs, the experiment) are retried the same way, up to the same limit (RLHF_MLFLOW_RETRY_S)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tasks.tracking.mlflow_store import (
     unique_run_name,
 )
 from tasks.tracking.mlflow_store import run_name as _run_name
-from tasks.tracking.mlflow_tracker import MlflowTracker, RetryingClient, retrying
+from tasks.tracking.mlflow_tracker import MlflowTracker, retrying_client
 from tasks.tracking.stage_tracking import OVERRIDES_TAG
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,10 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
 _open: dict[str, tuple[Path, MlflowTracker]] = {}  # pipeline runs opened by this process: their root and queue
 
 
-def _client(root: Path):
-    """The store's client; on a server every call retried through an outage, a creation made once."""
-    uri = tracking_uri(root)
-    return RetryingClient(get_client(root), redact(uri)) if is_remote(uri) else get_client(root)
+def _client(root: str | Path):
+    """The store's client; on a server every call, read or write, retried through an outage, a creation made
+    once (mlflow_tracker.retrying_client)."""
+    return retrying_client(root)
 
 
 def open_tracker(root: Path, run_id: str) -> MlflowTracker:
@@ -121,8 +122,7 @@ def end_pipeline_run(run_id: str, status: str, root: str | Path = ".") -> None:
         root, tracker = _open.pop(run_id)
     else:  # opened by another process (a resumed or remote flow)
         tracker = open_tracker(Path(root), run_id)
-        server = redact(tracking_uri(root)) if is_remote(tracking_uri(root)) else ""
-        tags = retrying("get_run", get_client(root).get_run, run_id, server=server).data.tags
+        tags = _client(root).get_run(run_id).data.tags
         root = Path(tags.get("rlhf.root", root))
     if (root / "dvc.lock").is_file():
         tracker.log_artifact(root / "dvc.lock")
@@ -147,15 +147,16 @@ def run_url(run_id: str, root: str | Path = ".") -> str | None:
 def _experiment_of(run_id: str, root: str | Path) -> str | None:
     if not run_id or not tracking_enabled():
         return None
-    try:
-        return get_client(root).get_run(run_id).info.experiment_id
-    except Exception:
+    try:  # a server that is restarting is waited for; one that stays down costs the link, not the run
+        return _client(root).get_run(run_id).info.experiment_id
+    except Exception as err:
+        log.warning("no MLflow link for run %s: %s", run_id, err)
         return None
 
 
 def iter_runs(root: str | Path, parent_run_id: str) -> Iterator:
     """The stage runs nested under a pipeline run, oldest first."""
-    client = get_client(root)
+    client = _client(root)
     parent = client.get_run(parent_run_id)
     yield from client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'",
                                   order_by=["attributes.start_time ASC"])

@@ -46,7 +46,6 @@ from tasks.reports.frontier_uncertainty import EVAL_SCORES, PER_PROMPT, fit_text
 from tasks.tracking.mlflow_store import (
     TrackingError,
     experiment_id,
-    get_client,
     owner_tags,
     tracking_enabled,
     unique_run_name,
@@ -223,8 +222,9 @@ def _close_sweep_run(sweep: SweepRun, root: Path, status: str, report: dict | No
 
 
 def _figures_from_mlflow(root: Path, parent: str, experiment: str) -> dict | None:
-    """A point run elsewhere (a deployment's worker): its evaluation as its pipeline run recorded it."""
-    client = get_client(root)
+    """A point run elsewhere (a deployment's worker): its evaluation as its pipeline run recorded it. On a server
+    each read is retried through an outage, as the writes are; TrackingUnavailable when it stays down."""
+    client = pipeline_run_client(root)
     found = client.search_runs([client.get_run(parent).info.experiment_id],
                                f"tags.mlflow.parentRunId = '{parent}' and tags.`{EXPERIMENT_TAG}` = '{experiment}' "
                                "and attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
@@ -255,6 +255,14 @@ def _scores_from_mlflow(client, experiment: str, pipeline_run: str) -> dict | No
             return None
 
 
+def _end_after_crash(sweep: SweepRun, root: Path, logger) -> None:
+    """The sweep run's end (FAILED) when the flow crashes; the crash is the story, an MLflow failure is said beside."""
+    try:
+        _close_sweep_run(sweep, root, "FAILED", None)
+    except Exception as lost:
+        logger.error("the sweep's MLflow run %s could not be ended: %s", sweep.run_id, lost)
+
+
 # --------------------------------------------------------------------------------------------- points
 
 
@@ -282,8 +290,13 @@ def _run_on_pool(root: Path, deployment: str, parameters: dict, parent: str,
     run = run_deployment(deployment, parameters=parameters, timeout=None, as_subflow=True,
                          job_variables={"env": sharing})
     state = run.state
-    figures = _figures_from_mlflow(root, parent, parameters["experiment"]) if state.is_completed() else None
-    return state, figures
+    if not state.is_completed():
+        return state, None
+    try:
+        return state, _figures_from_mlflow(root, parent, parameters["experiment"])
+    except TrackingError as err:  # MLflow stayed down past its limit: this point fails, the sweep goes on
+        return Failed(message=f"point {parameters['experiment']} finished, but its figures could not be read "
+                              f"back: {err}"), None
 
 
 def _record_point(root: Path, saved: dict, point: Point, state: State, figures: dict | None) -> None:
@@ -429,8 +442,12 @@ def rlhf_sweep(grid: list[str], profile: str = "demo", overrides: list[str] = []
             return _run_on_pool(root, point_deployment, parameters, parent, concurrency)
         return _run_here(root, parameters, parent)
 
-    with interrupt.stop_on_signals():
-        stopped = _run_points(root, todo, saved, run_one, concurrency if point_deployment else 1)
+    try:
+        with interrupt.stop_on_signals():
+            stopped = _run_points(root, todo, saved, run_one, concurrency if point_deployment else 1)
+    except BaseException:  # a crash still ends the sweep's MLflow run (FAILED), never leaves it RUNNING
+        _end_after_crash(sweep, root, logger)
+        raise
     report = write_frontier(root, saved)
     failed = [label for label, p in saved["points"].items() if p["status"] != "FINISHED"]
     status = "KILLED" if stopped is not None else "FAILED" if failed else "FINISHED"

@@ -357,3 +357,26 @@ def test_promoting_the_champion_again_says_so_and_changes_nothing(mlflow_root, m
     assert (after.tags, after.description) == (before.tags, before.description)
     assert client.get_registered_model(NAME).description == model_before.description
     assert client.get_registered_model(NAME).aliases == {"champion": 1}
+
+
+def test_a_rerun_finishes_a_promotion_an_outage_cut_short(policy_root):
+    """The register stage stopped after its gate tags and before the alias moved (its server stayed down past
+    RLHF_MLFLOW_RETRY_S; tests/test_registry_outage.py cuts a promotion so): the flow's retry of the stage finds
+    the version registered and finishes its promotion, recording it once."""
+    root = policy_root
+    register(root, 0.7, 1.0, gold=0.7)
+    assert register(root, 0.8, 2.0, gold=0.8)["promoted"]
+    client = get_client(root)
+    # the registry as the cut left it: v2 gated champion, its history not written, the alias still on v1
+    client.set_registered_model_alias(NAME, "champion", "1")
+    client.delete_model_version_tag(NAME, "2", "champion_history")
+    v1 = client.get_model_version(NAME, "1")
+    client.set_model_version_tag(NAME, "1", "champion_history", json.dumps(history(v1)[:-1]))
+
+    again = register(root, 0.8, 2.0, gold=0.8)
+    assert again["already_registered"] and again["version"] == 2 and again["champion"] == 2, again
+    assert client.get_registered_model(NAME).aliases["champion"] == 2
+    events = {v: [e["event"] for e in history(client.get_model_version(NAME, v))] for v in ("1", "2")}
+    assert events == {"1": ["promoted", "demoted"], "2": ["promoted"]}, events
+    assert register(root, 0.8, 2.0, gold=0.8)["champion"] == 2, "a second rerun changes nothing"
+    assert [e["event"] for e in history(client.get_model_version(NAME, "2"))] == ["promoted"]

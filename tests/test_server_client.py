@@ -357,8 +357,9 @@ def test_run_fails_before_any_stage_on_an_unreachable_prefect_or_mlflow(workspac
                              ({"PREFECT_API_URL": prefect_url, "MLFLOW_TRACKING_URI": mlflow_url},
                               ["PREFECT_API_URL", "MLFLOW_TRACKING_URI"])):
         # seconds, not MLflow's minutes of retries: a hang fails on the timeout
-        proc = subprocess.run([BIN / "rlhf", "run"], cwd=workspace, env={**env, **variables}, capture_output=True,
-                              text=True, timeout=120)
+        # a server that is down for now is waited for (RLHF_MLFLOW_RETRY_S); 2 s here
+        proc = subprocess.run([BIN / "rlhf", "run"], cwd=workspace, env={**env, **variables, "RLHF_MLFLOW_RETRY_S": "2"},
+                              capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         for name in names:
             assert f"{name}={variables[name]} is not reachable" in proc.stderr, proc.stderr
@@ -376,6 +377,7 @@ def test_the_flow_fails_before_any_stage_when_its_tracking_server_is_down(worksp
 
     url = _closed_port_url()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    monkeypatch.setenv("RLHF_MLFLOW_RETRY_S", "2")  # waited for that long (a server restarting), then it fails
     with pytest.raises(TrackingError, match=f"MLFLOW_TRACKING_URI={url} is not reachable"):
         start_pipeline_run(workspace, None, [])
 

@@ -20,7 +20,7 @@ import getpass
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -32,7 +32,7 @@ from tasks.execution.transient import redact
 from tasks.parameters.params import Params, RegisterParams
 from tasks.parameters.paths import Paths
 from tasks.tracking.lineage import file_md5
-from tasks.tracking.mlflow_store import is_remote
+from tasks.tracking.mlflow_store import TrackingError, is_remote
 from tasks.tracking.mlflow_tracker import numeric, retrying
 from tasks.tracking.registry import (
     BEFORE_TAG,
@@ -157,33 +157,71 @@ def _now() -> str:
 
 
 def _record(client, name: str, version, event: dict) -> None:
-    """Append `event` to the version's champion history (its tag and its description): never overwritten."""
-    events = [*history(version), event]
-    client.set_model_version_tag(name, str(version.version), HISTORY_TAG, json.dumps(events))
+    """Append `event` to the version's champion history (its tag, then its description): never overwritten. An
+    event already last in it (a promotion run again after an outage cut it short) is not added twice, and its line
+    is added to the description only where it is not the last line yet."""
+    events = history(version)
+    if events and _same(events[-1], event):
+        event = events[-1]  # recorded by the try that was cut short: its time stands
+    else:
+        client.set_model_version_tag(name, str(version.version), HISTORY_TAG, json.dumps([*events, event]))
     line = f"- {event['at']}: {event['event']} by {event['by']}: {event['reason']}"
     if event.get("overrides"):
         line += f" (overriding the gate's decision at registration: {event['overrides']})"
-    text = version.description or ""
+    text = (version.description or "").rstrip()
+    if text.endswith(line):
+        return
     head = "" if "**Champion history**" in text else "\n\n**Champion history**\n"
-    client.update_model_version(name, str(version.version), description=f"{text.rstrip()}{head}\n{line}".strip())
+    client.update_model_version(name, str(version.version), description=f"{text}{head}\n{line}".strip())
+
+
+def _same(recorded: dict, event: dict) -> bool:
+    """The same event apart from when it was made: who, what, why."""
+    return {k: v for k, v in recorded.items() if k != "at"} == {k: v for k, v in event.items() if k != "at"}
 
 
 def promote(client, name: str, version: str, by: str, reason: str, overrides: str | None = None) -> str | None:
     """Move the champion alias to `version`, appending who, when and why to its champion history (and the
     demotion to the former champion's); `overrides`: the gate's rejection a manual promotion overrides.
-    Returns the former champion."""
+    Returns the former champion.
+
+    One ordered sequence, the record before the alias: the version's history, the former champion's demotion,
+    then the alias, then the model's description. A registry cut off between two writes therefore never shows an
+    alias without the record of why. On a server each write is retried through an outage (the client is a
+    RetryingClient, RLHF_MLFLOW_RETRY_S); one that still fails stops the sequence (PromotionIncomplete, naming what
+    was done and what was not), and the same promotion run again finishes it without recording anything twice."""
     former = champion_of(client, name)
-    client.set_registered_model_alias(name, CHAMPION, str(version))
+    chosen = client.get_model_version(name, str(version))
     event = {"event": "promoted", "at": _now(), "by": by, "reason": reason}
     if overrides:
         event["overrides"] = overrides
-    _record(client, name, client.get_model_version(name, str(version)), event)
+    steps = [(f"v{version}'s champion history", lambda: _record(client, name, chosen, event))]
     former_version = None if former is None else str(former.version)
     if former_version not in (None, str(version)):
-        _record(client, name, former, {"event": "demoted", "at": event["at"], "by": by,
-                                       "reason": f"v{version} promoted to champion"})
-    describe_model(client, name)
+        demotion = {"event": "demoted", "at": event["at"], "by": by, "reason": f"v{version} promoted to champion"}
+        steps.append((f"v{former_version}'s demotion in its history", lambda: _record(client, name, former, demotion)))
+    steps += [(f"the alias {CHAMPION} -> v{version}",
+               lambda: client.set_registered_model_alias(name, CHAMPION, str(version))),
+              ("the registered model's description", lambda: describe_model(client, name))]
+    _in_order(f"promoting {name} v{version}", steps)
     return former_version
+
+
+class PromotionIncomplete(TrackingError):
+    """A promotion stopped partway: the message says what was written, what was not, and how to finish it."""
+
+
+def _in_order(what: str, steps: list[tuple[str, Callable[[], object]]]) -> None:
+    """Each step after the one before has landed; the first that fails stops the rest (PromotionIncomplete)."""
+    for i, (step, write) in enumerate(steps):
+        try:
+            write()
+        except Exception as err:
+            done = ", ".join(s for s, _ in steps[:i]) or "nothing"
+            raise PromotionIncomplete(
+                f"{what}: {step} failed ({err}). Written in full: {done}; not written (or not in full): "
+                f"{', '.join(s for s, _ in steps[i:])}. The alias moves only after the record of why; run the same "
+                f"promotion again to finish it (nothing is recorded twice)") from err
 
 
 def describe_model(client, name: str) -> None:
@@ -346,6 +384,19 @@ def _already_registered(client, name: str, version, figures: dict[str, float]) -
             "champion": int(champion.version) if champion else None}
 
 
+def _promotion_cut_short(client, name: str, version) -> bool:
+    """Whether the gate promoted `version` at its registration but the alias never got there (an outage or a kill
+    stopped the stage between its writes): the champion is still the one the gate compared it with, and the
+    version was never demoted since."""
+    if tag(version, DECISION_TAG) != CHAMPION or any(e.get("event") == "demoted" for e in history(version)):
+        return False
+    champion = champion_of(client, name)
+    if champion is not None and str(champion.version) == str(version.version):
+        return False
+    beaten = (tag(version, BEFORE_TAG) or "none").split(" ")[0]
+    return beaten == ("none" if champion is None else f"v{champion.version}")
+
+
 def pipeline_params(params: Params) -> dict:
     """The sections of the resolved params that the stage run does not log already (it logs base, runtime and
     register): with them, the version's source run says how its policy was made (sft, reward_model, train...)."""
@@ -367,6 +418,8 @@ def run(params: Params, paths: Paths) -> dict:
     lineage = {POLICY_MD5_TAG: file_md5(paths.policy), EVAL_MD5_TAG: file_md5(paths.metrics_file("eval"))}
     existing = version_of_policy(client, name, *lineage.values())
     if existing is not None:  # e.g. a plain run after an overridden one: train and evaluate came from DVC's run cache
+        if _promotion_cut_short(client, name, existing):  # the flow's retry of a run an outage stopped
+            promote(client, name, str(existing.version), by="register stage", reason=tag(existing, REASON_TAG, ""))
         report = _already_registered(client, name, existing, figures)
         write_json(paths.metrics_file("register"), report)
         return {"registered": 0, "version": report["version"]}

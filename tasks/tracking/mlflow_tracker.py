@@ -22,7 +22,8 @@ A write sent twice (a retry after a timeout whose reply was lost) lands once: me
 logged, and MLflow's stores drop a metric equal in key, step, value and time; params, tags, the run's end and
 artifacts are set to the same value again.
 
-Reads and writes that must happen now (open a run, register a model) use `retrying`: the same retries, in line.
+Reads and writes that must happen now (open a run, register a model, promote, read a run or the registry) use
+`retrying` (`retrying_client`: a client whose every call is): the same retries and limit, in line.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tasks.execution.transient import Transient, transient_cause
+from tasks.execution.transient import Transient, redact, transient_cause
 from tasks.parameters.params import flatten
-from tasks.tracking.mlflow_store import TrackingError
+from tasks.tracking.mlflow_store import TrackingError, get_client, is_remote, tracking_uri
 
 log = logging.getLogger(__name__)
 
@@ -205,13 +206,15 @@ def retry_seconds() -> float:
 
 
 def retrying(what: str, fn: Callable[..., T], *args, server: str = "",
-             landed: Callable[[], T | None] | None = None, **kwargs) -> T:
+             landed: Callable[[], T | None] | None = None, on_wait: Callable[[str], object] | None = None,
+             **kwargs) -> T:
     """`fn(*args, **kwargs)` now, retried with backoff while its failure is transient, for up to
     RLHF_MLFLOW_RETRY_S; then TrackingUnavailable naming the server and `what`. Other failures raise as they are.
 
     `landed`, for a call that creates something: a try that timed out may have been done by the server with
     its reply lost, and a second try would then fail (RESOURCE_ALREADY_EXISTS) or make a duplicate. So after a
-    transient failure `landed()` is asked first; what it finds (not None) is what the failed try made."""
+    transient failure `landed()` is asked first; what it finds (not None) is what the failed try made.
+    `on_wait`: where the one line saying that it waits goes (a warning of this module's logger by default)."""
     give_up_at, delay, warned, failed = time.monotonic() + retry_seconds(), 1.0, False, False
     while True:
         try:
@@ -229,8 +232,8 @@ def retrying(what: str, fn: Callable[..., T], *args, server: str = "",
                 raise TrackingUnavailable(f"MLflow at {where} did not answer within {retry_seconds():.0f} s "
                                           f"({RETRY_ENV}; {cause}{said}): {what} not done", cause) from err
             if not warned:
-                log.warning("MLflow at %s: %s failed (%s); retried until it answers (up to %.0f s, %s)", where, what,
-                            _describe(err), retry_seconds(), RETRY_ENV)
+                (on_wait or log.warning)(f"MLflow at {where}: {what} failed ({_describe(err)}); retried until it "
+                                         f"answers (up to {retry_seconds():.0f} s, {RETRY_ENV})")
                 warned = True
         time.sleep(min(delay, max(give_up_at - time.monotonic(), 0)))
         delay = min(delay * 2, MAX_BACKOFF_S)
@@ -273,6 +276,13 @@ class RetryingClient:
     def create_registered_model(self, name: str, *args, **kwargs):
         return retrying("create_registered_model", self._client.create_registered_model, name, *args,
                         server=self._server, landed=lambda: registered_model_or_none(self._client, name), **kwargs)
+
+
+def retrying_client(root: str | Path = "."):
+    """The store's client for calls that must happen now, reads included: on a tracking server every call
+    retried through an outage as the stages' writes are (RetryingClient), else the local store's plain client."""
+    uri = tracking_uri(root)
+    return RetryingClient(get_client(root), redact(uri)) if is_remote(uri) else get_client(root)
 
 
 def registered_model_or_none(client, name: str):

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.tracking.mlflow_store import get_client, tracking_uri
+from tasks.execution.transient import redact
+from tasks.tracking.mlflow_store import tracking_uri
+from tasks.tracking.mlflow_tracker import TrackingUnavailable, retrying_client
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 # md5 of the models/policy directory the version was logged from, and of the metrics/eval.json it was gated on
@@ -54,13 +56,16 @@ def tag(version, key: str, default: str | None = None) -> str | None:
 
 
 def champion_of(client, name: str):
-    """The version holding the champion alias, or None."""
+    """The version holding the champion alias, or None when the model or the alias is not there. Any other
+    failure raises: a registry that cannot be read now is not a registry without a champion."""
     from mlflow.exceptions import MlflowException
 
     try:
         return client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no model; no such alias
+            return None
+        raise
 
 
 def version_of_policy(client, name: str, policy_md5: str, eval_md5: str):
@@ -112,12 +117,14 @@ def registry_verdict(root: str | Path, report: Mapping[str, Any]) -> str:
     if not report.get("registered"):
         return f"nothing registered ({report.get('reason', 'no reason given')})"
     name, version = report.get("model_name", "rlhf-policy"), str(report.get("version"))
-    try:
-        client = get_client(root)
+    try:  # on a server, retried through an outage as the writes are
+        client = retrying_client(root)
         found = client.get_model_version(name, version)
         champion = client.get_registered_model(name).aliases.get(CHAMPION)
+    except TrackingUnavailable as err:
+        return f"{name} v{version}: the registry at {redact(tracking_uri(root))} could not be read ({err})"
     except Exception as err:
-        return f"{name} v{version}: not found in the registry at {tracking_uri(root)} ({err})"
+        return f"{name} v{version}: not found in the registry at {redact(tracking_uri(root))} ({err})"
     now = "the champion" if str(champion) == version else f"challenger; champion is v{champion}" if champion \
         else "challenger; no champion"
     again = "already registered; " if report.get("already_registered") else ""
