@@ -34,12 +34,6 @@ DATA_NAMED = {  # the only dynamic imports whose module comes from data, and whe
     "flows/deployments.py": "prefect.yaml's entrypoints: test_prefect_entrypoints_are_flows",
     "rlhf_core/reward_functions.py": "params' reward functions, confined to trust.reward_modules (tests/test_trust.py)",
 }
-KNOWN_UPWARD = {  # (file, module or "prefix."): found once importlib calls became visible; each must still occur
-    # The stage server preloads the runner, every stage and cli (the `rlhf` command it runs in its forks): its
-    # server half is an entry point above the CLI, filed under tasks/execution/. Reported on issue 51.
-    ("tasks/execution/stage_server.py", "tasks.runner"), ("tasks/execution/stage_server.py", "tasks.stages."),
-    ("tasks/execution/stage_server.py", "cli"),
-}
 
 
 # ------------------------------------------------------------------ every import a module makes, static or dynamic
@@ -215,17 +209,8 @@ def room_imports(root: Path) -> dict[str, set[str]]:
     return graph
 
 
-def known(violation: str) -> tuple[str, str] | None:
-    """The KNOWN_UPWARD entry a violation matches, if any."""
-    where, module = re.match(r"(\S+?):\d+ imports (\S+):", violation).groups()
-    return next((k for k in KNOWN_UPWARD if k[0] == where and (module == k[1] or k[1].endswith(".")
-                                                                and module.startswith(k[1]))), None)
-
-
 def test_no_upward_import_anywhere():
-    found = violations(ROOT)
-    assert [v for v in found if not known(v)] == []
-    assert KNOWN_UPWARD <= {known(v) for v in found}, "one was fixed: take it out of KNOWN_UPWARD"
+    assert violations(ROOT) == []
 
 
 def test_the_rooms_of_tasks_form_no_circle():

@@ -1,7 +1,7 @@
-"""The warm stage server (tasks/execution/stage_server.py): a stage it runs writes the same bytes and ends with the
-same status and output as a plain `rlhf stage`; the caller's signals reach the stage, and a caller killed with -9
-takes its stage down; a caller that finds no server runs the stage itself, and a server whose code changed on disk
-refuses."""
+"""The warm stage server (cli/stage_server.py, started and called by tasks/execution/stage_server.py): a stage it
+runs writes the same bytes and ends with the same status and output as a plain `rlhf stage`; the caller's signals
+reach the stage, and a caller killed with -9 takes its stage down; a caller that finds no server runs the stage
+itself, and a server whose code changed on disk refuses."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from test_pipeline import TINY
 
-from tasks.execution.stage_server import SERVER_ENV, _changed, serving_stages
+from cli.stage_server import _changed
+from tasks.execution.stage_server import SERVER_ENV, serving_stages
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 REPO = Path(__file__).resolve().parent.parent
