@@ -72,13 +72,10 @@ def sweep(grid: Grid,
 
 
 def _print_frontier(root: Path) -> None:
-    from rich.console import Console
-    from rich.markdown import Markdown
-
-    from flows.sweep import SWEEP_DIR, frontier_markdown
+    from flows.sweep import SWEEP_DIR, frontier_text
     from rlhf_core.jsonio import read_json_object
 
     report = read_json_object(root / SWEEP_DIR / "frontier.json")
     if report is not None:
-        Console().print(Markdown(frontier_markdown(report)))
+        typer.echo(frontier_text(report))
         typer.echo(f"frontier: {SWEEP_DIR}/frontier.json, {SWEEP_DIR}/frontier.png")

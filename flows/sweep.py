@@ -357,30 +357,56 @@ def write_frontier(root: Path, saved: dict) -> dict | None:
     return report
 
 
-def frontier_markdown(report: dict) -> str:
-    """The candidates as a table with their gains' intervals, the fit per algorithm with its intervals, the
-    verdict on over-optimization (or what to run to decide it), the gate's pick: the sweep's Prefect artifact and
-    what `rlhf sweep` prints."""
+def frontier_table(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The candidates as (header, rows) with their gains' intervals; the gate's pick marked `pick`."""
     metric, level = report["metric"], report.get("level", 0.95)
-    lines = [f"# Sweep {report['sweep']}: reward–KL frontier", "",
-             f"| setting | algo | seeds | {metric} | win_rate_rm | mean_kl | gold gain [{level:.0%}] | "
-             f"reward-model gain [{level:.0%}] | gate |", "|---|---|---|---|---|---|---|---|---|"]
+    header = ["setting", "algo", "seeds", metric, "win_rate_rm", "mean_kl", f"gold gain [{level:.0%}]",
+              f"reward-model gain [{level:.0%}]", "gate"]
+    rows = []
     for c in report["candidates"]:
         f = c["figures"]
-        mark = "**pick**" if c["setting"] == report["gate_pick"] else ""
-        lines.append(f"| {c['setting']} | {c['algo']} | {c['n']} | {f.get(metric, float('nan')):.3f} | "
-                     f"{f.get('win_rate_rm', float('nan')):.3f} | {f.get('mean_kl', float('nan')):.2f} | "
-                     f"{gain_text(c.get('gold_gain'), c.get('gold_gain_ci'))} | "
-                     f"{gain_text(c.get('rm_gain'), c.get('rm_gain_ci'))} | {mark} |")
+        rows.append([c["setting"], c["algo"], str(c["n"]), f"{f.get(metric, float('nan')):.3f}",
+                     f"{f.get('win_rate_rm', float('nan')):.3f}", f"{f.get('mean_kl', float('nan')):.2f}",
+                     gain_text(c.get("gold_gain"), c.get("gold_gain_ci")), gain_text(c.get("rm_gain"), c.get("rm_gain_ci")),
+                     "pick" if c["setting"] == report["gate_pick"] else ""])
+    return header, rows
+
+
+def _frontier_notes(report: dict) -> list[str]:
+    """The fit per algorithm with its intervals, the verdict on over-optimization (or what to run to decide it),
+    the gate's pick."""
+    lines = []
     for algo in sorted({*report["gao_fit"], *report.get("verdict", {})}):
         lines.append("")
         if algo in report["gao_fit"]:
             lines.append(fit_text(algo, report["gao_fit"][algo]))
         if algo in report.get("verdict", {}):
             lines.extend(["", *verdict_text(algo, report["verdict"][algo])])
-    lines.append(f"\nThe gate (highest {metric} within register.max_kl={report['max_kl']:g}) picks: "
+    lines.append(f"\nThe gate (highest {report['metric']} within register.max_kl={report['max_kl']:g}) picks: "
                  f"{report['gate_pick'] or 'none within the KL budget'}")
-    return "\n".join(lines)
+    return lines
+
+
+def frontier_markdown(report: dict) -> str:
+    """The frontier as markdown: the sweep's Prefect artifact."""
+    header, rows = frontier_table(report)
+    rows = [[f"**{cell}**" if cell == "pick" and i == len(row) - 1 else cell for i, cell in enumerate(row)]
+            for row in rows]
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+             *("| " + " | ".join(row) + " |" for row in rows)]
+    return "\n".join([f"# Sweep {report['sweep']}: reward–KL frontier", "", *table, *_frontier_notes(report)])
+
+
+def frontier_text(report: dict) -> str:
+    """The frontier as `rlhf sweep` prints it: every cell whole, in columns, the rule as wide as the table (a
+    terminal wraps a line wider than it; nothing is cut)."""
+    header, rows = frontier_table(report)
+    widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+             for line in [header, *rows]]
+    rule = "─" * max(map(len, lines))
+    return "\n".join([f"Sweep {report['sweep']}: reward–KL frontier", "", lines[0], rule, *lines[1:],
+                      *_frontier_notes(report)])
 
 
 # --------------------------------------------------------------------------------------------- the flow

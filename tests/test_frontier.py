@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 import numpy as np
 import pytest
@@ -94,6 +95,25 @@ def test_two_points_do_not_claim_over_optimization_and_the_report_says_what_to_r
     # the same sweep recorded before evaluate kept per-prompt scores: no interval, and still no claim
     bare = frontier([{k: v for k, v in p.items() if k != PER_PROMPT} for p in points], "win_rate_gold", 4.0)
     assert not bare["verdict"]["ppo"]["over_optimization"] and bare["candidates"][0]["gold_gain_ci"] is None
+
+
+def test_the_printed_frontier_keeps_every_cell_and_its_rule_spans_the_table():
+    """`rlhf sweep` printed the markdown through rich at the terminal's width: without a terminal (80 columns) the
+    settings and figures were cut ("kl_coef…", "win_rate…"), and the rule under the header did not span the table.
+    Printed as text now: every cell whole, the rule as wide as the widest row."""
+    from flows.sweep import frontier_table, frontier_text
+
+    world = _world(0)
+    points = [_point(world, 0.05, 0.500, 1.843, 2.17), _point(world, 0.3, 0.503, 1.783, 1.43)]
+    report = {"sweep": "test", **frontier(points, "win_rate_gold", 4.0)}
+    header, rows = frontier_table(report)
+    lines = frontier_text(report).splitlines()
+    assert lines[0] == "Sweep test: reward–KL frontier" and lines[2].split("  ")[0] == "setting"
+    table = lines[2:4 + len(rows)]
+    assert set(table[1]) == {"─"} and len(table[1]) == max(map(len, [table[0], *table[2:]])), "\n".join(table)
+    for row, line in zip(rows, table[2:], strict=True):
+        assert [cell for cell in row if cell] == re.split(r"\s{2,}", line.strip()), (row, line)  # every cell whole
+    assert any(cell.startswith("+0.503 [") for row in rows for cell in row)
 
 
 def test_a_turn_inside_the_noise_is_not_claimed_even_with_degrees_of_freedom_left():
