@@ -8,12 +8,11 @@ wait for another run that holds the workspace. One run:
    params.yaml for this run only: the file is restored when the run ends (flows/overrides.py); a bad key
    fails here, before anything runs, naming the key;
 3. opens the MLflow pipeline run (flows/pipeline_run.py) and records the overrides: MLflow params, a
-   Prefect artifact, and reports/runs/<time>-<run>.json;
+   Prefect artifact with a link to the MLflow run, and reports/runs/<time>-<run>.json;
 4. runs each stage through DVC (flows/dvc_repro.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
    the pipeline run and unchanged stages are skipped exactly as `dvc repro` skips them;
 5. forwards a running stage's progress to its task's log and a progress artifact (flows/progress.py);
-6. publishes what the stages left: validation summary, reward-model inspection, evaluation table, and a
-   link to the MLflow run.
+6. publishes what each stage left as it ends: validation summary, reward-model inspection, evaluation table.
 
 A failed stage fails the run with a message naming the stage and the tail of its log. SIGINT or SIGTERM stops
 the running stage and ends the run Cancelled through the same path (flows/interrupt.py). Only failures a
@@ -67,8 +66,9 @@ def _retry_if_transient(task, task_run, state: State) -> bool:
     return RETRYABLE.pop(str(task_run.id), None) is not None
 
 
-# DVC is the cache (it skips unchanged stages): Prefect caches nothing and persists no result.
-@task(name="dvc-stage", task_run_name="{name}", retries=2, retry_delay_seconds=[15, 60],
+# DVC is the cache (it skips unchanged stages): Prefect caches nothing and persists no result. One retry delay, not
+# a list: the UI's task-run page shows a list of delays as "NaN".
+@task(name="dvc-stage", task_run_name="{name}", retries=2, retry_delay_seconds=30,
       retry_condition_fn=_retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
 def run_dvc_stage(name: str, root: str, parent_run_id: str = "", stage_server: str = "") -> dict | State:
     """`dvc repro --single-item NAME`: runs the stage if its params, deps or outs changed, else skips it; in the
@@ -121,15 +121,20 @@ def _to_prefect(what: str, fn, *args, **kwargs) -> None:
         get_run_logger().warning("the Prefect server did not take %s (%s); the run goes on", what, cause)
 
 
-def _publish_reports(root: Path, reached: set[str], mlflow_run_id: str) -> None:
-    """Artifacts for what the stages this run reached have left in the workspace."""
+def _publish_stage_report(root: Path, name: str) -> None:
+    """The artifact of what stage `name` has just left in the workspace (validation, inspection, evaluation), made
+    as it ends, so a long run shows each summary when it is there, not when the run ends."""
     for key, (stage, _) in reports.STAGE_REPORTS.items():
-        text = reports.stage_report(root, key) if stage in reached else None
+        text = reports.stage_report(root, key) if stage == name else None
         if text:
             create_markdown_artifact(text, key=key, description=f"{stage} stage: {reports.STAGE_REPORTS[key][1]}")
-    text = reports.evaluation(root) if "evaluate" in reached else None
+    text = reports.evaluation(root) if name == "evaluate" else None
     if text:
         create_markdown_artifact(text, key="rlhf-evaluation", description="metrics/eval.json + first completions")
+
+
+def _publish_mlflow_link(root: Path, mlflow_run_id: str) -> None:
+    """The run's MLflow run, linked from its start (its stages' runs appear under it as they go)."""
     if mlflow_run_id:
         url = run_url(mlflow_run_id, root)
         if url:
@@ -145,22 +150,23 @@ def _runs_rlhf_stages(root: Path) -> bool:
     return any(str(c).startswith("rlhf stage") for cmd in commands for c in (cmd if isinstance(cmd, list) else [cmd]))
 
 
-def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[dict], State | None, set[str]]:
-    """Each stage in order until one fails: (results, the failed state or None, stages reached)."""
-    results, reached = [], set()
+def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[dict], State | None]:
+    """Each stage in order until one fails, each's report published as it ends: (results, the failed state or
+    None)."""
+    results = []
     # torch, transformers and MLflow imported once for the run's stages, not once per stage (a pipeline of other
     # commands gains nothing from it)
     warm = serving_stages(root / LOGS_DIR / "stage_server.log") if _runs_rlhf_stages(root) else nullcontext("")
     with warm as server:
         for name in names:
             if interrupt.received():
-                return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}"), reached
-            reached.add(name)
+                return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}")
             state = run_dvc_stage(name, str(root), parent_run_id, server, return_state=True)
+            _to_prefect(f"stage {name}'s report", _publish_stage_report, root, name)
             if not state.is_completed():  # failed, or cancelled by a signal
-                return results, state, reached
+                return results, state
             results.append(state.result())
-    return results, None, reached
+    return results, None
 
 
 def _run_locked(root: Path, profile: str, overrides: list[str], mlflow_parent: str = "",
@@ -194,10 +200,10 @@ def _run_with_params(root: Path, names: list[str], profile: str, overrides: list
     _to_prefect("the run's parameters", create_markdown_artifact,
                 reports.run_parameters(profile, overrides, changes, record_path.relative_to(root)),
                 key="rlhf-run-parameters", description="profile, overrides, params.yaml changes")
+    _to_prefect("the MLflow run's link", _publish_mlflow_link, root, parent)
     results, failed, status = [], None, "FAILED"  # FAILED unless the stages get through
     try:
-        results, failed, reached = _run_stages(root, names, parent)
-        _to_prefect("the stages' reports", _publish_reports, root, reached, parent)
+        results, failed = _run_stages(root, names, parent)
         status = "FINISHED" if failed is None else "KILLED" if failed.is_cancelled() else "FAILED"
         # before params.yaml is restored: the run's params beside its results (a sweep's point always: its
         # grid may equal params.yaml)

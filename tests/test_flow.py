@@ -200,7 +200,18 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
 
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        stages = {t.name: t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+            any_=[run.id])))}
     by_key = {a.key: a for a in artifacts}
+    # each summary is there when its stage ends, before the next one starts (not all at the run's end); the MLflow
+    # link from the first stage on
+    for key, made_by, before in (("rlhf-validation", "validate", "sft"), ("rlhf-inspection", "inspect", "train"),
+                                 ("rlhf-evaluation", "evaluate", "register"), ("rlhf-mlflow-run", None, "prepare")):
+        created = by_key[key].created
+        assert made_by is None or created >= stages[made_by].end_time, (key, created, stages[made_by].end_time)
+        assert created <= stages[before].start_time, f"{key} made at {created}, after stage {before} started"
+    # one retry delay, which the UI's task-run page shows in seconds (a list of them it showed as "NaN")
+    assert stages["train"].empirical_policy.retries == 2 and stages["train"].empirical_policy.retry_delay == 30
     assert {"rlhf-run-parameters", "rlhf-validation", "rlhf-inspection", "rlhf-evaluation",
             "rlhf-mlflow-run"} <= set(by_key), sorted(by_key)
     assert "train.kl_coef=0.07" in by_key["rlhf-run-parameters"].data
