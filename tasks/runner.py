@@ -17,7 +17,9 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from rlhf_core.threads import fit_threads
+from tasks.dag.dvc_yaml import missing_inputs
 from tasks.dag.stage_modules import STAGES
+from tasks.execution.errors import StageFailed
 from tasks.execution.figures import write_execution
 from tasks.execution.launcher import LAUNCHED_ENV, MODEL_STAGES, is_main_process
 from tasks.execution.put_back import guarded_outputs
@@ -48,6 +50,10 @@ def run_stage(name: str, root: str | Path = ".", profile: str | None = None, ove
 
 
 def _run(name: str, root: str | Path, profile: str | None, overrides: Sequence[str]) -> dict:
+    if missing := missing_inputs(root, name):  # a message naming them and their stages, not a traceback
+        raise StageFailed(f"stage {name}: its input{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                          f"{'are' if len(missing) > 1 else 'is'} missing; `dvc repro {name}` runs what makes "
+                          f"{'them' if len(missing) > 1 else 'it'} first (or `rlhf stage` that stage)")
     threads = fit_threads()  # before any torch work: this stage's share of the cores (rlhf_core/threads.py)
     params = load_params(root, profile, list(overrides))
     if on_ray(params.runtime, name):  # this process is the driver; the ranks run this function on the cluster

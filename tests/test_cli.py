@@ -239,3 +239,23 @@ def test_a_run_that_rewrites_committed_results_says_why_and_what_to_do(tmp_path,
     assert "git commit -m 'results on this machine' -- dvc.lock metrics" in note
     assert "git checkout -- dvc.lock metrics" in note
     assert unchanged_results(tmp_path / "metrics" / "nowhere") == set(), "outside git: nothing to say"
+
+
+def test_a_stage_whose_input_is_missing_names_it_and_the_stage_that_makes_it(tmp_path, monkeypatch):
+    """`rlhf stage register` with no models/policy (a killed plain `dvc repro` leaves none) ended in a raw
+    FileNotFoundError; it names every missing input and the stage that makes it, in one line, before any work."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    for name in ("dvc.yaml", "params.yaml"):
+        (tmp_path / name).write_text((repo / name).read_text())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+    result = CliRunner().invoke(app, ["stage", "register"])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert errors[0].startswith("error: stage register: its inputs "), errors[0]
+    assert "models/policy (made by stage train)" in errors[0] and "metrics/eval.json (made by stage evaluate)" in \
+        errors[0], errors[0]
+    assert "`dvc repro register` runs what makes them first" in errors[0]

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from rlhf_core.config import RuntimeConfig
-from tasks.dag.dvc_yaml import entry_paths, stage_entry
+from tasks.dag.dvc_yaml import CODE_DIRS, entry_paths, stage_entry
 from tasks.execution.errors import StageFailed
 from tasks.execution.launcher import LAUNCHED_ENV, on_checkpoint, raise_interrupt
 from tasks.execution.shared_storage import STORAGE_ENV, RunFolder, is_remote, land
@@ -45,7 +45,6 @@ from tasks.parameters.params import PROFILES_DIR
 from tasks.parameters.paths import Paths
 
 ADDRESS_ENV = "RAY_ADDRESS"
-CODE_DIRS = ("rlhf_core", "tasks", "flows", "cli")  # dvc.yaml deps that are code, not inputs to copy
 # what the driver's environment decides about a rank's results or its offline-ness (never a credential)
 PASSED_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM",
               "RLHF_KEEP_FREED_MEMORY")
