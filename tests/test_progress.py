@@ -160,3 +160,25 @@ def test_the_progress_artifact_names_the_stage_once(local_prefect, monkeypatch):
         "rlhf-progress-evaluate": "evaluate: 3/4"}
     # no terminal here: the stage wrote its progress lines itself, so the flow forwarded none of them again
     assert lines == [], lines
+
+
+def test_the_run_summary_keeps_its_links_whole_and_says_whose_outputs_the_workspace_holds(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Without a terminal (80 columns) the summary wrapped the Prefect link across lines; after an override run it
+    said params.yaml is back but not that the workspace's outputs are the run's."""
+    from tasks.tracking.progress import print_run_summary
+
+    for name in ("COLUMNS", "PREFECT_API_URL"):
+        monkeypatch.delenv(name, raising=False)
+    home = tmp_path / "a-workspace-with-a-long-name" / ".prefect"
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    run_id = "0c4f5a1e-7b2d-4e8a-9f31-5d6c7b8a9e0f"
+    result = {"stages": [{"stage": "train", "ran": True, "seconds": 12.0}], "flow_run_id": run_id,
+              "params_changed": [["train.kl_coef", 0.05, 0.07]], "dvc_experiment": "demo-ppo-kl-0-07"}
+    print_run_summary(tmp_path, result, None, None)
+    lines = capsys.readouterr().out.splitlines()
+    assert f"  Prefect: PREFECT_HOME={home} prefect server start, then http://127.0.0.1:4200/runs/flow-run/{run_id}" \
+        in lines, "\n".join(lines)
+    said = " ".join(line.strip() for line in lines)
+    assert "params.yaml is back as it was" in said and "the workspace's outputs (models/, metrics/, dvc.lock) are " \
+        "this run's" in said and "the DVC experiment demo-ppo-kl-0-07" in said, said

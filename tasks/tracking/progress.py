@@ -271,10 +271,14 @@ def print_run_summary(root: Path, result: Mapping[str, Any], mlflow_uri: str | N
     if result.get("params_changed"):
         changed = ", ".join(f"{k}={new!r}" for k, _, new in result["params_changed"])
         console.print(f"[bold]overrides[/bold] {changed} were for this run only: params.yaml is back as it was "
-                      "(the run record, MLflow and Prefect keep them)")
+                      "(the run record, MLflow and Prefect keep them), while the workspace's outputs (models/, "
+                      "metrics/, dvc.lock) are this run's: the next plain run or `dvc repro` reruns the stages whose "
+                      "parameters differ (DVC's run cache brings back those it ran before)"
+                      + (f"; this run is the DVC experiment {result['dvc_experiment']}" if
+                         result.get("dvc_experiment") else ""))
     console.print("[bold]where to look[/bold]")
     if mlflow_uri and result.get("mlflow_run_id"):
         for i, line in enumerate(mlflow_ui_hint(root, mlflow_uri, result["mlflow_run_id"])):
             console.print(f"  {'MLflow:' if i == 0 else '':8} {line}", soft_wrap=True)  # links stay whole
-    console.print(f"  Prefect: {prefect_ui_hint(result.get('flow_run_id'))}")
-    console.print(f"  reports: {root / 'reports'}/ (eval/, logs/, runs/)   metrics: {root / 'metrics'}/")
+    console.print(f"  Prefect: {prefect_ui_hint(result.get('flow_run_id'))}", soft_wrap=True)
+    console.print(f"  reports: {root / 'reports'}/ (eval/, logs/, runs/)   metrics: {root / 'metrics'}/", soft_wrap=True)
