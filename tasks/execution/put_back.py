@@ -36,6 +36,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from tasks.execution.errors import VerdictFailed
+
 FOLDER = Path(".dvc") / "tmp" / "rlhf-put-back"  # under the workspace root: journals, persist copies, kept copies
 FICLONE = 0x40049409  # ioctl: a reflink (copy-on-write) copy, where the file system has them
 _guarding: list[str] = []  # stages this process guards now (nested guards of one stage are one guard)
@@ -70,6 +72,10 @@ def guarded_outputs(stage: str, root: str | Path = ".", sigterm: bool = True) ->
         if deferred:
             raise KeyboardInterrupt(signal.Signals(deferred[0]).name)
         yield
+    except VerdictFailed:  # a check that finished and judged its inputs bad: its reports say why, and stay
+        if journal is not None:
+            journal.left_standing()
+        raise
     except BaseException:
         if journal is not None:
             journal.put_back()
@@ -183,6 +189,12 @@ class Journal:
                 for old in self.kept.iterdir():
                     if old.name not in keep and not old.name.startswith("."):
                         old.unlink()
+        self._end()
+
+    def left_standing(self) -> None:
+        """The run's outputs stay as it wrote them, whole (a check's verdict): only the journal goes."""
+        print(f"put-back: stage {self.stage} finished with a failed check: its reports stay for you to read "
+              "(dvc.lock still records its last good run, so the next run reruns it)", file=sys.stderr, flush=True)
         self._end()
 
     def put_back(self) -> None:

@@ -16,14 +16,14 @@ from rlhf_core.models import load_scorer_model
 from rlhf_core.reward_inspection.report import inspect_reward_model
 from rlhf_core.runtime import Runtime
 from tasks.data.datasets import read_rows
-from tasks.execution.errors import StageFailed
+from tasks.execution.errors import VerdictFailed
 from tasks.parameters.params import Params
 from tasks.parameters.paths import Paths
 
 REPORT_DIR = Path("reports") / "inspection"
 
 
-class InspectionFailed(StageFailed, RuntimeError):
+class InspectionFailed(VerdictFailed, RuntimeError):
     """A check failed; the message says what is wrong and how to fix it (the CLI prints it, no traceback)."""
 
 

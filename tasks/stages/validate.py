@@ -33,7 +33,7 @@ from tasks.checks.gx_suites import (
     with_token_counts,
 )
 from tasks.data.layouts import EXPLICIT, IMPLICIT, MESSAGES, Layout, detect_layout, explicit_prompt
-from tasks.execution.errors import StageFailed
+from tasks.execution.errors import VerdictFailed
 from tasks.parameters.params import Params, ParamsError, load_params
 from tasks.parameters.paths import SPLITS, Paths
 
@@ -46,7 +46,7 @@ class ValidateError(ValueError):
     """Validation could not run (unreadable file, tokenizer, params); the message names the file and line."""
 
 
-class ValidationFailed(StageFailed, RuntimeError):
+class ValidationFailed(VerdictFailed, RuntimeError):
     """Some expectation failed; the message lists them and where the full report is."""
 
 
