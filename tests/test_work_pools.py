@@ -289,9 +289,11 @@ def _render(configuration_class, template: dict, values: dict, url: str):
     from prefect.client.schemas.objects import FlowRun
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: url}):  # block and variable references resolve here
+    # block and variable references resolve on the test's server, and so does whatever preparing the run asks of
+    # an API (outside it, Prefect would start its own temporary server: minutes on a loaded machine)
+    with temporary_settings(updates={PREFECT_API_URL: url}):
         config = asyncio.run(configuration_class.from_template_and_values(template, values))
-    config.prepare_for_flow_run(FlowRun(id=UUID(int=1), flow_id=UUID(int=2), name="a-run"))
+        config.prepare_for_flow_run(FlowRun(id=UUID(int=1), flow_id=UUID(int=2), name="a-run"))
     return config
 
 
