@@ -72,12 +72,26 @@ def start_pipeline_run(root: str | Path, profile: str | None, overrides: list[st
         tags[EXPERIMENT_TAG] = experiment
     exp = experiment_id(client, root)
     name = unique_run_name(client, exp, name or run_name(params, overrides))
+    tags["mlflow.note.content"] = _description(params, overrides, experiment)  # the run page's Description
     run = client.create_run(exp, run_name=name, tags=tags)
     end_runs_of_dead_processes(client, exp, run.info.run_id, name)  # a run killed with -9 before this one
     tracker = open_tracker(root, run.info.run_id)
     _open[run.info.run_id] = (root, tracker)
     tracker.log_params({**params.model_dump(mode="json"), "overrides": json.dumps(list(overrides))})
     return run.info.run_id
+
+
+def _description(params, overrides: list[str], experiment: str) -> str:
+    """What the run is, for the MLflow UI's Description: the profile, algorithm, overrides, and where the rest is."""
+    lines = [f"RLHF pipeline run: profile `{params.base.profile}`, algorithm `{params.train.algo}`, overrides "
+             + (", ".join(f"`{o}`" for o in overrides) if overrides else "none") + ".",
+             "",
+             "Each stage is a nested run below it (prepare, validate, sft, reward-model, inspect, train, evaluate, "
+             "register); its params are the resolved parameters, its artifacts `dvc.lock` and `metrics/`, its "
+             "tags the git commit and `dvc.lock`'s md5 it ran with."]
+    if experiment:
+        lines.append(f"Saved as the DVC experiment `{experiment}` (`rlhf exps`).")
+    return "\n".join(lines)
 
 
 _open: dict[str, tuple[Path, MlflowTracker]] = {}  # pipeline runs opened by this process: their root and queue

@@ -52,6 +52,9 @@ def test_pipeline_run_groups_nested_stage_runs(mlflow_root, monkeypatch):
     assert run.data.params["train.kl_coef"] == "0.05" and run.data.params["prepare.world.sft_train"] == "128"
     assert json.loads(run.data.params["overrides"]) == TINY, "overrides are recorded verbatim"
     assert run.data.tags["rlhf.profile"] == "demo" and run.data.tags["rlhf.git_commit"] == "unknown"
+    description = run.data.tags["mlflow.note.content"]  # the run page's Description says what the run is
+    assert description.startswith("RLHF pipeline run: profile `demo`, algorithm `ppo`, overrides `prepare.world")
+    assert "Each stage is a nested run below it" in description
     assert run.data.tags["rlhf.dvc_lock_md5"] == file_md5(root / "dvc.lock")
     assert {"dvc.lock", "metrics"} <= artifacts(client, parent)
     assert run_url(parent, root).endswith(f"/runs/{parent}?workflowType=machine_learning")
