@@ -87,6 +87,14 @@ def prefect_server(home: Path, *options: str, ui: bool = False, **settings: str)
         yield url
     finally:
         SERVERS.pop(url, None)
+        # this process's queued logs and events, sent while the server answers (left queued, they were retried at
+        # the interpreter's exit against a server long gone, logging errors after the suite's last line)
+        if "prefect.events.worker" in sys.modules:
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            for worker in (APILogWorker, EventsWorker):
+                worker.drain_all(timeout=5)
         server.terminate()
         try:  # uvicorn's graceful stop waits on open connections and the server's services (measured: 40 s and
             server.wait(timeout=10)  # more under load); a test's server keeps nothing worth that wait
