@@ -38,6 +38,19 @@ TRAIN_OUTPUTS = ("models/policy", "reports/trace", "metrics/train.json", "metric
 WAIT_S = 900  # a bound on waiting, not a timing assertion
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_reaches_the_stages():
+    """A shell's background job (a `make test &`) starts with SIGINT ignored, and its children inherit that: the
+    stages here must see Ctrl-C as a terminal's foreground job does (a handled signal is reset to its default in a
+    child; an ignored one stays ignored)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        yield
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        yield
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = LocalRayCluster(tmp_path_factory.mktemp("ray")).start()
