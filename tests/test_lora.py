@@ -192,10 +192,27 @@ def test_lora_train_stage_on_two_processes_under_ddp_and_zero3(tmp_path, make_po
         torch.testing.assert_close(policies["zero3"][name], weight, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def listen_port() -> int:
+    """A free port below the kernel's range for outgoing connections (ip_local_port_range, 32768 up), for a port
+    every launch of a run reuses over minutes: one from that range (bind to 0) can be taken meanwhile as the local
+    port of any outgoing connection, and a later launch then fails with EADDRINUSE (seen once in make test)."""
+    import random
+    import socket
+
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32000")
+
+
 @pytest.fixture
 def lora_flow_repo(tmp_path, mlflow_db_template):
     """The repo's pipeline, profiles and launch configs in a fresh git + DVC repo, with an MLflow store ready."""
-    from test_flow import free_port, git_dvc_repo
+    from test_flow import git_dvc_repo
 
     for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "params.yaml"):
         shutil.copy(REPO / item, tmp_path / item)
@@ -210,7 +227,7 @@ def lora_flow_repo(tmp_path, mlflow_db_template):
     profile.write_text(yaml.safe_dump(shrunk, sort_keys=False))
     # a free rendezvous port: another launch on this machine (a second test session) would meet this one on 29500
     config = tmp_path / shrunk["runtime"]["accelerate_config"]
-    config.write_text(config.read_text().replace("main_process_port: 29500", f"main_process_port: {free_port()}"))
+    config.write_text(config.read_text().replace("main_process_port: 29500", f"main_process_port: {listen_port()}"))
     shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
     return git_dvc_repo(tmp_path)
 
