@@ -40,6 +40,21 @@ TINY_VOCAB = 16
 TARGET_WORD = "w7"
 
 
+@pytest.fixture
+def ctrl_c_reaches_children():
+    """A shell's background job (`make test &`) starts with SIGINT ignored, and its children inherit that: a test
+    that sends Ctrl-C to the processes it starts needs them to see it as a terminal's foreground job does (a
+    handled signal is reset to its default in a child; an ignored one stays ignored)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        yield
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

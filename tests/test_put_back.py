@@ -30,6 +30,7 @@ from tasks.execution.launcher import stop_group
 from tasks.execution.put_back import in_progress
 
 BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.usefixtures("ctrl_c_reaches_children")
 GIVE_UP_S = 300  # a bound on waiting for the stage to get half-way, not a timing assertion
 
 STAGE = '''"""A stage as the pipeline's are: run(params, paths) -> metrics, its knobs in knobs.yaml."""
@@ -103,18 +104,6 @@ def _digests(root: Path) -> dict[str, str]:
                     digest.update(chunk)
             found[name] = digest.hexdigest()
     return found
-
-
-@pytest.fixture(autouse=True)
-def _ctrl_c_reaches_the_stages():
-    """A shell's background job starts with SIGINT ignored, and its children inherit that: the stages here must see
-    Ctrl-C as a terminal's foreground job does (a handled signal is reset to its default in a child)."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        yield
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    else:
-        yield
 
 
 @pytest.fixture(scope="module")

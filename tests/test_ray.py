@@ -30,25 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from ray_cluster import HEAD_IP, WORKER_IP, LocalRayCluster, free_port  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ctrl_c_reaches_children")]
 
 MODEL_METRICS = {"sft": "sft", "reward-model": "reward", "inspect": "inspect", "train": "train", "evaluate": "eval"}
 EPISODES = "train.total_episodes=256"  # 8 updates of 32 episodes: room to interrupt a run between its checkpoints
 TRAIN_OUTPUTS = ("models/policy", "reports/trace", "metrics/train.json", "metrics/train_history.json")
 WAIT_S = 900  # a bound on waiting, not a timing assertion
-
-
-@pytest.fixture(autouse=True)
-def _ctrl_c_reaches_the_stages():
-    """A shell's background job (a `make test &`) starts with SIGINT ignored, and its children inherit that: the
-    stages here must see Ctrl-C as a terminal's foreground job does (a handled signal is reset to its default in a
-    child; an ignored one stays ignored)."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        yield
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    else:
-        yield
 
 
 @pytest.fixture(scope="module")
