@@ -7,13 +7,17 @@ workspace lock, overrides validated before anything runs and recorded, a failing
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -62,13 +66,33 @@ def base_env(**extra: str) -> dict[str, str]:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", **extra}
 
 
+@functools.cache
+def migrated_prefect_db() -> Path:
+    """An empty Prefect database, migrated once per test process. A server started on a fresh PREFECT_HOME first
+    runs Prefect's ~100 migrations (~12 s of CPU on 2 cores, two thirds of its start; the suite starts dozens of
+    servers, most of them the temporary server of a test repo's first `rlhf run`); a copy takes none."""
+    home = Path(tempfile.mkdtemp(prefix="rlhf-tests-prefect-db-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    subprocess.run([BIN / "prefect", "server", "database", "upgrade", "-y"], env=base_env(PREFECT_HOME=str(home)),
+                   check=True, capture_output=True, timeout=STARTUP_S)
+    return home / "prefect.db"
+
+
+def with_migrated_prefect_db(home: Path) -> Path:
+    """`home` (a PREFECT_HOME, e.g. a repo's .prefect/) holding a migrated empty database, unless it has one."""
+    home.mkdir(parents=True, exist_ok=True)
+    if not (home / "prefect.db").exists():
+        shutil.copy(migrated_prefect_db(), home / "prefect.db")
+    return home
+
+
 @contextmanager
 def prefect_server(home: Path, *options: str, ui: bool = False, **settings: str) -> Iterator[str]:
     """`prefect server start` on a free loopback port with its own PREFECT_HOME; yields the API URL. With `ui`,
     the UI too, told where its API is: `--port` alone leaves it calling the default port (4200)."""
     url = f"http://127.0.0.1:{free_port()}/api"
     port = url.rsplit(":", 1)[1].split("/")[0]
-    log = (home / "server.log").open("w")
+    log = (with_migrated_prefect_db(home) / "server.log").open("w")
     settings = {"PREFECT_UI_API_URL": url, **settings} if ui else settings
     server = subprocess.Popen([BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", port,
                                *([] if ui else ["--no-ui"]), *options],
@@ -137,6 +161,7 @@ def build_pipeline_repo(path: Path, mlflow_db_template: Path) -> Path:
         params = deep_merge(params, parse_override(item))
     (path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     shutil.copy(mlflow_db_template, path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
+    with_migrated_prefect_db(path / ".prefect")  # the temporary server's home (git-ignored): the same for Prefect
     return git_dvc_repo(path)
 
 
@@ -258,7 +283,8 @@ def test_served_deployment_runs_the_pipeline_through_dvc(pipeline_repo, in_proce
     assert "mlflow ui --backend-store-uri sqlite:///" in proc.stdout and "win rate vs SFT" in proc.stdout
     assert "rlhf-policy v1: now" in proc.stdout, proc.stdout  # read from the registry
     assert (pipeline_repo / "params.yaml").read_text() == params_before
-    assert (pipeline_repo / ".prefect").is_dir(), "the temporary server keeps its state under the repo"
+    with sqlite3.connect(pipeline_repo / ".prefect" / "prefect.db") as db:  # the temporary server's state is the repo's
+        assert db.execute("select count(*) from flow_run where id = ?", (second["flow_run_id"],)).fetchone() == (1,)
     assert parent.data.tags["rlhf.git_dirty"] == "false", "the run's own overrides do not make the code dirty"
 
     # each override run is a DVC experiment: its params beside its results, though params.yaml is restored
@@ -660,6 +686,7 @@ def sleeping_repo(tmp_path, mlflow_db_template):
     (tmp_path / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
     (tmp_path / ".gitignore").write_text("mlflow.db\nmlartifacts/\n.prefect/\nreports/\n")
     shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")
+    with_migrated_prefect_db(tmp_path / ".prefect")
     shutil.copy(REPO / "prefect.yaml", tmp_path / "prefect.yaml")  # what `rlhf serve` serves
     return git_dvc_repo(tmp_path)
 
@@ -740,7 +767,6 @@ def test_a_signal_stops_the_run_cleanly(sleeping_repo, how, request, tmp_path_fa
     Cancel in the Prefect UI (a served run; the runner sends SIGTERM) in the middle of a stage: the stage
     stops, the Prefect run ends Cancelled and reads as a cancellation (a warning naming the stage, no ERROR, no
     traceback), the MLflow run KILLED, the run record names the failure, the lock is free, no process is left."""
-    import sqlite3
 
     from mlflow import MlflowClient
 
@@ -896,6 +922,7 @@ def gated_repo(tmp_path, mlflow_db_template):
     (tmp_path / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
     (tmp_path / ".gitignore").write_text("mlflow.db\nmlartifacts/\n.prefect/\nreports/\ngo\n")
     shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")
+    with_migrated_prefect_db(tmp_path / ".prefect")
     return git_dvc_repo(tmp_path)
 
 

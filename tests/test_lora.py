@@ -212,7 +212,7 @@ def listen_port() -> int:
 @pytest.fixture
 def lora_flow_repo(tmp_path, mlflow_db_template):
     """The repo's pipeline, profiles and launch configs in a fresh git + DVC repo, with an MLflow store ready."""
-    from test_flow import git_dvc_repo
+    from test_flow import git_dvc_repo, with_migrated_prefect_db
 
     for item in ("dvc.yaml", ".gitignore", "prefect.yaml", "params.yaml"):
         shutil.copy(REPO / item, tmp_path / item)
@@ -229,6 +229,7 @@ def lora_flow_repo(tmp_path, mlflow_db_template):
     config = tmp_path / shrunk["runtime"]["accelerate_config"]
     config.write_text(config.read_text().replace("main_process_port: 29500", f"main_process_port: {listen_port()}"))
     shutil.copy(mlflow_db_template, tmp_path / "mlflow.db")  # git-ignored; saves the ~10 s migrations
+    with_migrated_prefect_db(tmp_path / ".prefect")  # the same for the temporary Prefect server's
     return git_dvc_repo(tmp_path)
 
 

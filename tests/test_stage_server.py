@@ -138,6 +138,31 @@ def test_without_a_server_the_caller_runs_the_stage_itself(tmp_path):
     assert proc.returncode == 0 and (root / "data" / "sft_train.jsonl").is_file(), proc.stderr[-2000:]
 
 
+def test_a_stage_called_while_the_server_imports_waits_for_it(tmp_path):
+    """The first stages of a run are called while the server still imports (~5 s quiet, ~40 s on busy cores): each
+    waits and is served, rather than import the same libraries again on the same cores as a plain process."""
+    root = workspace(tmp_path / "early")
+    with serving_stages(tmp_path / "stage_server.log") as path:
+        assert not os.path.exists(path), "the server is still importing"
+        proc = stage(root, "prepare", server=path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert ran_in_server(tmp_path / "stage_server.log", root, "prepare"), (tmp_path / "stage_server.log").read_text()
+
+
+def test_a_server_that_died_while_importing_is_not_waited_for(tmp_path):
+    """A server gone before it was ready (here killed; it stays a zombie until the flow reaps it at the run's end):
+    the caller runs the stage itself at once."""
+    root = workspace(tmp_path / "orphan")
+    with serving_stages(tmp_path / "stage_server.log") as path:
+        os.killpg(int(Path(path).with_name("server.pid").read_text()), signal.SIGKILL)
+        env = {**os.environ, "RLHF_TRACKING": "off", SERVER_ENV: path}
+        # the bound is below how long a caller waits for a live server: a caller waiting on the dead one fails it
+        proc = subprocess.run([RLHF, "stage", "prepare", *SETS], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode == 0 and (root / "data" / "sft_train.jsonl").is_file(), proc.stderr[-2000:]
+    assert not ran_in_server(tmp_path / "stage_server.log", root, "prepare")
+
+
 def test_a_server_whose_code_changed_refuses(tmp_path):
     """A stage must run the code DVC hashed: one edited source file and the server runs nothing more."""
     source = tmp_path / "module.py"

@@ -28,6 +28,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +40,7 @@ SERVED_ENV = "RLHF_SERVED_PID"  # set in a served stage: the process the server 
 SERVER_MODULE = "cli.stage_server"  # run with `python -m`: the server imports the stages and cli, so sits above them
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GPU_DRIVERS = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's and ROCm's: no server where either is
+STARTING_S = 180  # the longest a caller waits for a starting server (its imports: ~5 s quiet, 40 s on busy cores)
 HEADER = struct.Struct("!I")  # the length of the request's JSON
 ACCEPTED = b"+"  # the server's answer once the stage is started; anything else (or nothing) and the caller runs it
 
@@ -48,8 +50,9 @@ ACCEPTED = b"+"  # the server's answer once the stage is started; anything else 
 @contextmanager
 def serving_stages(log: Path) -> Iterator[str]:
     """Start a stage server for the stages run inside the block and yield its socket (for RLHF_STAGE_SERVER);
-    stopped on the way out. It takes stages once it has imported everything (~5 s): the ones before run as
-    plain processes, as do all of them if it cannot start. It notes in `log` what it ran and what it refused.
+    stopped on the way out. It takes stages once it has imported everything (~5 s; a stage called meanwhile waits
+    for it rather than import the same libraries again on the same cores); all of them run as plain processes if
+    it cannot start. It notes in `log` what it ran and what it refused.
     Where forking a process that imported torch is unsafe it yields "" and every stage runs as a plain process:
     on macOS, and beside a GPU driver (a library that touched the driver before the fork breaks CUDA in the
     fork; a GPU stage's imports are small beside its work anyway)."""
@@ -63,12 +66,18 @@ def serving_stages(log: Path) -> Iterator[str]:
     with log.open("w") as out:  # this run's, as the stages' logs beside it
         server = subprocess.Popen([sys.executable, "-m", SERVER_MODULE, path], cwd=folder,
                                   stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    _pid_file(path).write_text(str(server.pid))  # a caller waits while this process lives and the path is not there
     try:
         yield path
     finally:
         stop_group(server, [(signal.SIGTERM, 10), (signal.SIGKILL, 5)])  # its own session: it and any fork left
-        Path(path).unlink(missing_ok=True)
+        for made in (Path(path), _pid_file(path)):
+            made.unlink(missing_ok=True)
         os.rmdir(folder)
+
+
+def _pid_file(path: str) -> Path:
+    return Path(path).with_name("server.pid")
 
 
 # ------------------------------------------------------------------ the caller's side: `rlhf stage`
@@ -79,6 +88,7 @@ def run_in_server(argv: Sequence[str]) -> int | None:
     path = os.environ.get(SERVER_ENV)
     if not path or os.environ.get(SERVED_ENV) == str(os.getpid()):  # no server, or this is the served process
         return None
+    _wait_while_starting(path)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
@@ -102,3 +112,21 @@ def run_in_server(argv: Sequence[str]) -> int | None:
             signal.signal(sig, handler)
         conn.close()
     return int(json.loads(reply)["exit"]) if reply else 1  # no reply: the supervisor died with the server
+
+
+def _wait_while_starting(path: str) -> None:
+    """Wait while the server is still importing (its socket not there yet, its process alive): a stage run beside
+    it as a plain process spends ~5-8 s of CPU importing the same libraries on the same cores, and the server is
+    ready about as soon. Returns at once where no server is starting (none started, or it died)."""
+    deadline = time.monotonic() + STARTING_S
+    while not os.path.exists(path) and time.monotonic() < deadline and _starting(_pid_file(path)):
+        time.sleep(0.1)
+
+
+def _starting(pid_file: Path) -> bool:
+    """Whether the server process `pid_file` names lives (Linux, where a flow starts one): a server that died while
+    importing stays a zombie until the flow reaps it at the run's end."""
+    try:
+        return Path(f"/proc/{int(pid_file.read_text())}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, ValueError):
+        return False
