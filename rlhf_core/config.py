@@ -33,6 +33,8 @@ from pydantic import (
     model_validator,
 )
 
+from rlhf_core.reward_functions import split_import_path
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
@@ -152,7 +154,6 @@ TRL_GRPO_UNSUPPORTED: dict[str, object] = {
     "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
     "entropy_coef": 0.0, "use_adaptive_entropy": False, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
     "entropy_coef_delta": 0.005, "entropy_target": 0.2, "off_policy_mask_threshold": None,
-    "max_tool_calling_iterations": None,
 }
 
 
@@ -207,6 +208,21 @@ class RLConfig(_Frozen):
     """Truncate completions after this token ('eos') or never (None)."""
     missing_eos_penalty: float | None = Field(1.0, ge=0.0)
     """Subtracted from the score of completions that never emit the stop token; None disables."""
+
+    # multi-turn rollouts with tools (rlhf_core/multi_turn.py), under TRL 1.16 GRPOTrainer's names
+    tools: list[str] = Field(default_factory=list)
+    """Tools the policy may call, each 'package.module:function' (sync or async, with type hints and a docstring; the
+    pipeline imports only from modules trust.tool_modules allows). With tools (or environment_factory) a rollout runs
+    the calls the model writes and appends their results as tool messages, which the loss and the KL skip."""
+    environment_factory: str | None = None
+    """'package.module:Class', one instance per episode (pooled across updates): reset(**row) returns text appended to
+    the prompt's last user message, its public methods are tools, its get_reward() (if any) one more reward source."""
+    max_tool_calling_iterations: int | None = Field(None, ge=0)
+    """Rounds of tool calls an episode may make; None: until it answers without a call or its budget
+    (response_length) runs out (TRL's default)."""
+    tool_timeout: float | None = Field(30.0, gt=0.0)
+    """Seconds a tool call may run before it counts as failed, its result {'error': ...} returned to the model; None:
+    no bound (TRL's behaviour: a hung tool hangs the rollout)."""
 
     # objective
     kl_coef: float = Field(0.05, ge=0.0)
@@ -308,6 +324,7 @@ class RLConfig(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
+        self._check_tools()
         if self.algo == "ppo" and self.ppo.whiten_rewards and self.ppo.gamma == 0:
             raise ValueError("ppo.whiten_rewards with ppo.gamma=0 leaves nothing to whiten")
         if self.sync_ref_model and self.kl_coef == 0:
@@ -316,6 +333,34 @@ class RLConfig(_Frozen):
             raise ValueError("max_update_kl with algo=grpo and kl_coef (beta) 0: no reference model is loaded, so "
                              "there is no KL to bound; set kl_coef > 0 or max_update_kl null")
         return self
+
+    def _check_tools(self) -> None:
+        if not self.uses_tools:
+            for key in ("max_tool_calling_iterations", "tool_timeout"):
+                if key in self.model_fields_set and getattr(self, key) != RLConfig.model_fields[key].default:
+                    raise ValueError(f"{key}: has no effect without tools or environment_factory")
+            return
+        names = [split_import_path(path, f"tools[{i}]: tool")[1] for i, path in enumerate(self.tools)]
+        if self.environment_factory is not None:
+            split_import_path(self.environment_factory, "environment_factory:", "class")
+        if len(set(names)) != len(names):
+            raise ValueError(f"tools: {names} names one tool twice; the model calls a tool by its name")
+        key = "tools" if self.tools else "environment_factory"
+        if self.algo == "ppo":
+            raise ValueError(f"{key}: multi-turn rollouts are implemented for algo grpo and rloo, not ppo (its value "
+                             "model and GAE would run over the tool results)")
+        if self.stop_token is None:
+            raise ValueError(f"{key}: multi-turn rollouts need stop_token eos (a turn ends at EOS)")
+        if self.decode_graphs == "on":
+            raise ValueError(f"{key}: multi-turn rollouts decode eagerly; set decode_graphs to auto or off")
+        if self.algo == "rloo" and self.rloo.kl_level == "token" and self.rloo.normalize_advantage:
+            raise ValueError(f"{key}: rloo.normalize_advantage at rloo.kl_level token would whiten over the tool "
+                             "results too; use kl_level sequence or no normalize_advantage")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether rollouts are multi-turn: tools or an environment whose methods are tools."""
+        return bool(self.tools) or self.environment_factory is not None
 
     @property
     def uses_reference(self) -> bool:

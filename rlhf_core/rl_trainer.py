@@ -28,6 +28,7 @@ from rlhf_core.data import PromptSampler
 from rlhf_core.guards import stop_if_out_of_bounds
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.models import disable_dropout
+from rlhf_core.multi_turn import ToolRollouts
 from rlhf_core.rl_update import PolicyAndValue, optimize, prepare_for_training
 from rlhf_core.rollout import Rollout, gradient_checkpointing
 from rlhf_core.rollout_maker import RolloutMaker
@@ -49,13 +50,18 @@ class RLTrainer:
 
     prompts: tokenized prompts (no padding); the reference policy is a frozen copy of `policy`
     unless given (or, for a PEFT policy, the base model with the adapter disabled); none for GRPO with beta 0.
+    With `cfg.tools` or `cfg.environment_factory` rollouts are multi-turn (rlhf_core/multi_turn.py): each episode's
+    prompt is its row of `prompt_rows` (TRL's dataset rows, {"prompt": messages, ...}, one per prompt: `prompts` then
+    only count them) rendered by `tokenizer` with the tools, its environment's reset text joining it.
     """
 
     def __init__(self, cfg: RLConfig, policy: nn.Module, scorer: Scorer, prompts: Sequence[Sequence[int]], *,
                  pad_token_id: int, stop_token_id: int | None, value_model: nn.Module | None = None,
                  ref_policy: nn.Module | None = None, accelerator: Accelerator | None = None,
                  tracker: Tracker | None = None, checkpoint_dir: str | Path | None = None,
-                 on_update: UpdateHook | None = None, monitors: Mapping[str, Scorer] | None = None):
+                 on_update: UpdateHook | None = None, monitors: Mapping[str, Scorer] | None = None,
+                 tokenizer=None, prompt_rows: Sequence[Mapping] | None = None,
+                 chat_template_kwargs: Mapping | None = None):
         self.cfg = cfg
         self.algo = ALGORITHMS[cfg.algo]
         if self.algo.USES_VALUE_MODEL and value_model is None:
@@ -101,7 +107,17 @@ class RLTrainer:
         self.unwrapped = model
         self.rollouts = RolloutMaker(model, self.ref_policy, self.accelerator, whole_weights=self._whole_weights,
                                      pad_token_id=self.pad_token_id, stop_token_id=self.stop_token_id,
-                                     share_prompts=self.share_prompts)
+                                     share_prompts=self.share_prompts,
+                                     tools=self._tool_rollouts(tokenizer, prompt_rows, chat_template_kwargs))
+
+    def _tool_rollouts(self, tokenizer, rows: Sequence[Mapping] | None,
+                       template_kwargs: Mapping | None) -> ToolRollouts | None:
+        if not self.cfg.uses_tools:
+            return None
+        if tokenizer is None or rows is None or len(rows) != len(self.prompts):
+            raise ValueError("tools / environment_factory: the trainer needs the tokenizer and the prompt rows (one "
+                             "per prompt) to render each episode's prompt with its tools")
+        return ToolRollouts(self.cfg, tokenizer, rows, template_kwargs=template_kwargs)
 
     def _frozen_reference(self, policy: nn.Module, ref: nn.Module | None) -> nn.Module | None:
         if ref is None and hasattr(policy, "disable_adapter"):
@@ -161,6 +177,12 @@ class RLTrainer:
         if metrics is not None:
             for name, monitor in self.monitors.items():
                 metrics.add_mean(f"monitor/{name}", monitor(batch).float())
+        if batch.env_rewards is not None:  # TRL: the environment's get_reward, one more source of weight 1
+            scores = scores + batch.env_rewards
+            if metrics is not None:
+                name = self.rollouts.tools.reward_name
+                metrics.add_mean(f"rewards/{name}/mean", batch.env_rewards)
+                metrics.add(f"rewards/{name}/std", batch.env_rewards.std(correction=0))
         if self.cfg.missing_eos_penalty is not None and self.stop_token_id is not None:
             scores = scores - self.cfg.missing_eos_penalty * (~batch.contains_stop).float()
         in_loss = batch.contains_stop if self.cfg.mask_truncated_completions else None
@@ -187,8 +209,13 @@ class RLTrainer:
         metrics.add_mean("objective/non_score_reward", episode_stats["non_score_reward"])
         metrics.add_mean("objective/rlhf_reward", episode_stats["rlhf_reward"])
         metrics.add_mean("objective/scores", batch.scores)
-        metrics.add_mean("val/response_length", batch.response_lengths.float())
+        written = batch.response_mask if batch.tool_mask is None else batch.response_mask & batch.tool_mask
+        metrics.add_mean("val/response_length", written.sum(1).float())  # the policy's tokens (TRL's, with tools)
         metrics.add_total("val/num_eos_tokens", batch.contains_stop.sum())
+        if batch.tool_calls is not None:  # TRL's: calls per completion, failures per call (over all processes)
+            metrics.add_mean("tools/call_frequency", batch.tool_calls.float())
+            calls = torch.arange(int(batch.tool_calls.sum()), device=batch.tool_calls.device)
+            metrics.add_mean("tools/failure_frequency", (calls < batch.tool_failures.sum()).float())
         logs = metrics.reduce(self.accelerator)
         logs.update({"lr": self.scheduler.get_last_lr()[0], "episode": self.state.episode,
                      "eps": episodes / max(elapsed, 1e-9), "update": self.state.update})

@@ -43,6 +43,12 @@ class Rollout:
     advantages: Tensor | None = None  # (B, R) or (B, 1) for sequence-level RLOO
     returns: Tensor | None = None  # (B, R) value targets (PPO)
     in_loss: Tensor | None = None  # (B,) bool, episodes the loss trains on (mask_truncated_completions); None: all
+    # (B, R) bool, multi-turn rollouts (rlhf_core/multi_turn.py): False on tool-result tokens, which the policy attends
+    # to but never wrote, so no loss and no KL (their log-probs and reference log-probs are 0); None: no tools
+    tool_mask: Tensor | None = None
+    env_rewards: Tensor | None = None  # (B,) each episode's environment's get_reward(); None: no such reward
+    tool_calls: Tensor | None = None  # (B,) tool calls each episode made (failed or not); None: no tools
+    tool_failures: Tensor | None = None  # (B,) of them, those that failed (unknown tool, exception, timeout)
 
     @property
     def context_length(self) -> int:
@@ -54,7 +60,8 @@ class Rollout:
 
     @property
     def loss_mask(self) -> Tensor:  # (B, R) bool, the response tokens the loss averages over
-        return self.response_mask if self.in_loss is None else self.response_mask & self.in_loss[:, None]
+        mask = self.response_mask if self.tool_mask is None else self.response_mask & self.tool_mask  # TRL's
+        return mask if self.in_loss is None else mask & self.in_loss[:, None]
 
     @property
     def input_ids(self) -> Tensor:  # (B, P + R)

@@ -18,6 +18,7 @@ from rlhf_core import ops
 from rlhf_core.batching import pad
 from rlhf_core.config import RLConfig
 from rlhf_core.decode import TokenChoice, decode, graphs_available
+from rlhf_core.multi_turn import Episode, ToolRollouts, completion_tensors
 from rlhf_core.rollout import Rollout, response_logits, stop_mask, token_values
 
 
@@ -60,22 +61,29 @@ class RolloutMaker:
 
     whole_weights: a context in which the prepared model's weights are whole (ZeRO-3 gathers them).
     share_prompts: the k samples of a prompt go through its tokens once (as they will in training).
+    tools: multi-turn rollouts (rlhf_core/multi_turn.py): prompts rendered from its rows with the tools, tool calls run.
     """
 
     def __init__(self, model: nn.Module, ref_policy: nn.Module | None, accelerator: Accelerator, *,
                  whole_weights: Callable[[], AbstractContextManager], pad_token_id: int, stop_token_id: int | None,
-                 share_prompts: bool):
+                 share_prompts: bool, tools: ToolRollouts | None = None):
         self.model, self.ref_policy, self.accelerator, self.whole_weights = model, ref_policy, accelerator, whole_weights
         self.pad_token_id, self.stop_token_id, self.share_prompts = pad_token_id, stop_token_id, share_prompts
+        self.tools = tools
 
     @torch.no_grad()
     def __call__(self, prompts: Sequence[Sequence[int]], prompt_indices: Sequence[int], cfg: RLConfig,
                  update: int) -> Rollout:
         """Sample completions for `prompts[i]` of each of `prompt_indices`, each repeated `samples_per_prompt`
-        times; `update` keys the noise under `sampling_seed=episode`."""
+        times; `update` keys the noise under `sampling_seed=episode`. With tools, the prompts are the tools' rows
+        rendered per episode."""
         k = cfg.samples_per_prompt
-        queries, query_mask = pad([prompts[i] for i in prompt_indices for _ in range(k)],
-                                  self.pad_token_id, "left")  # (B, P)
+        episodes = None
+        if self.tools is None:
+            episode_prompts = [prompts[i] for i in prompt_indices for _ in range(k)]
+        else:
+            episode_prompts, episodes = self.tools.start(prompt_indices, k)
+        queries, query_mask = pad(episode_prompts, self.pad_token_id, "left")  # (B, P)
         queries, query_mask = queries.to(self.accelerator.device), query_mask.to(self.accelerator.device)
         keys = None
         if cfg.sampling_seed == "episode":  # (B,): episode (prompt, j-th sample) of this update
@@ -87,31 +95,48 @@ class RolloutMaker:
         # reference and value forwards in another precision make PPO's ratio wrong before any update
         with self.accelerator.autocast(), self.whole_weights():
             return Rollout.cat([self._chunk(cfg, queries[i:i + step], query_mask[i:i + step],
-                                            None if keys is None else keys[i:i + step])
+                                            None if keys is None else keys[i:i + step],
+                                            None if episodes is None else episodes[i:i + step])
                                 for i in range(0, len(queries), step)])
 
-    def _chunk(self, cfg: RLConfig, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None) -> Rollout:
+    def _chunk(self, cfg: RLConfig, queries: Tensor, query_mask: Tensor, noise_keys: Tensor | None,
+               episodes: Sequence[Episode] | None = None) -> Rollout:
         model, policy = self.model, self.model.policy
-        responses, sampled_logprobs = decode(
-            policy, queries, query_mask, response_length=cfg.response_length, pad_token_id=self.pad_token_id,
-            stop_token_id=self.stop_token_id, choice=token_choice(cfg), noise_keys=noise_keys,
-            keep_logprobs=sampling_logprobs_exact(self.accelerator, policy),
-            graphs=use_decode_graphs(cfg, policy))  # (b, R), (b, R) or None
-        if self.stop_token_id is not None:
-            responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
-        response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
+        exact = sampling_logprobs_exact(self.accelerator, policy)
+        tool_mask = env_rewards = calls = failures = None
+        if episodes is None:
+            responses, sampled_logprobs = decode(
+                policy, queries, query_mask, response_length=cfg.response_length, pad_token_id=self.pad_token_id,
+                stop_token_id=self.stop_token_id, choice=token_choice(cfg), noise_keys=noise_keys,
+                keep_logprobs=exact, graphs=use_decode_graphs(cfg, policy))  # (b, R), (b, R) or None
+            if self.stop_token_id is not None:
+                responses = ops.truncate_after_stop(responses, self.stop_token_id, self.pad_token_id)
+            response_mask, contains_stop = stop_mask(responses, self.stop_token_id)
+        else:
+            sampler = self.tools.chooser(token_choice(cfg), noise_keys, exact)
+            turns = self.tools.decode(policy, queries, query_mask, episodes, sampler, self.stop_token_id)
+            done = completion_tensors(turns, cfg.response_length, pad_token_id=self.pad_token_id,
+                                      stop_token_id=self.stop_token_id, keep_logprobs=exact, device=queries.device)
+            responses, response_mask, sampled_logprobs = done.responses, done.response_mask, done.logprobs
+            contains_stop, tool_mask = done.contains_stop, done.tool_mask
+            env_rewards = self.tools.rewards(episodes, queries.device)
+            calls, failures = (torch.tensor(n, device=queries.device) for n in (turns.calls, turns.failures))
+        # the tokens the policy wrote: a tool result's log-probs are 0 in the rollout and the reference alike, so
+        # every KL over the response (the loss's, the reward's, the logged one) leaves tool results out
+        written = response_mask if tool_mask is None else response_mask & tool_mask
         parts = (queries, query_mask, responses, response_mask)
         if sampled_logprobs is None:
-            logprobs = logprobs_of(policy, parts, cfg.temperature, share_prompts=self.share_prompts)
+            logprobs = logprobs_of(policy, parts, cfg.temperature, share_prompts=self.share_prompts) * written
         else:  # read at the sampling steps: the forward the training step would repeat, saved
-            logprobs = sampled_logprobs * response_mask
+            logprobs = sampled_logprobs * written
         if not cfg.uses_reference:
             ref_logprobs = None
         elif self.ref_policy is None:
             with policy.disable_adapter():
-                ref_logprobs = logprobs_of(policy, parts, cfg.temperature, share_prompts=True)
+                ref_logprobs = logprobs_of(policy, parts, cfg.temperature, share_prompts=True) * written
         else:
-            ref_logprobs = logprobs_of(self.ref_policy, parts, cfg.temperature, share_prompts=True)
+            ref_logprobs = logprobs_of(self.ref_policy, parts, cfg.temperature, share_prompts=True) * written
         values = None if model.value is None else token_values(model.value, parts) * response_mask
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
-                       logprobs=logprobs, ref_logprobs=ref_logprobs, contains_stop=contains_stop, values=values)
+                       logprobs=logprobs, ref_logprobs=ref_logprobs, contains_stop=contains_stop, values=values,
+                       tool_mask=tool_mask, env_rewards=env_rewards, tool_calls=calls, tool_failures=failures)

@@ -8,6 +8,7 @@ world's few hundred words the merges run out before 2048, so nearly every word i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,17 +22,51 @@ CHAT_TEMPLATE = (
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+TOOL_ROLE = "<|tool|>"  # the header of a tool message (a tokenizer trained with tools has it as a fourth role)
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")  # around each call's JSON: one token each, kept in decoded text
+# CHAT_TEMPLATE plus tools (Hermes / Qwen style): their JSON schemas in a system turn, each assistant tool call as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> before the turn's EOS, a tool message under <|tool|>.
+# Without tools or tool messages it renders what CHAT_TEMPLATE does. Prefix-preserving: a turn renders the same
+# whatever follows it, so tool results append as tokens (rlhf_core/tool_chat.py).
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{{ '\\n\\n' }}{% endif %}You may call these tools, each as "
+    "<tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>:"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{%- elif messages and messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}{% endif %}"
+    "{%- for message in messages %}{%- if not (loop.first and message['role'] == 'system') %}"
+    "{%- if message['role'] == 'assistant' %}<|assistant|>{{ message['content'] or '' }}"
+    "{%- for call in message.tool_calls or [] %}{%- set fn = call.function if call.function is defined else call %}"
+    "<tool_call>{\"name\": {{ fn.name | tojson }}, \"arguments\": "
+    "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}</tool_call>{%- endfor %}{{ eos_token }}"
+    "{%- else %}<|{{ message['role'] }}|>{{ message['content'] }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# How `tokenizer.parse_response` reads an assistant turn of TOOL_CHAT_TEMPLATE: each <tool_call> JSON one call,
+# the text up to EOS the content (the format of transformers' response templates, as TRL's for Qwen 3)
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": re.escape(EOS) + r"\s*", "content": "text"},
+    },
+}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, model_max_length: int = 512,
-                    chat: bool = False) -> PreTrainedTokenizerFast:
+                    chat: bool = False, tools: bool = False) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on `texts`.
 
     It adds no special tokens when encoding (callers append EOS) and pads on the right (callers that
     generate set `padding_side = "left"`). 512 tokens hold a world prompt and completion several times over.
-    With `chat`, it also has the role headers as special tokens and `CHAT_TEMPLATE`.
+    With `chat`, it also has the role headers as special tokens and `CHAT_TEMPLATE`. With `tools` (implies `chat`),
+    the tool role too, <tool_call> and </tool_call> as tokens that decoding keeps, `TOOL_CHAT_TEMPLATE` and
+    `RESPONSE_TEMPLATE`: what multi-turn rollouts with tools need (rlhf_core/tool_chat.py).
     """
-    specials = [PAD, EOS, UNK] + (list(ROLE_TOKENS) if chat else [])
+    chat = chat or tools
+    specials = [PAD, EOS, UNK] + (list(ROLE_TOKENS) if chat else []) + ([TOOL_ROLE] if tools else [])
     assert vocab_size > 256 + len(specials), \
         f"vocab_size must exceed the 256 bytes + {len(specials)} special tokens, got {vocab_size}"
     tokenizer = Tokenizer(models.BPE(unk_token=UNK))
@@ -44,12 +79,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048, model_max_leng
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    out = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD,
         eos_token=EOS,
         unk_token=UNK,
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,  # keep decode exact: no " ," -> "," rewriting
-        chat_template=CHAT_TEMPLATE if chat else None,
+        chat_template=(TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE) if chat else None,
     )
+    if tools:  # not special: a reward function reading decoded text still sees where the model called a tool
+        out.add_tokens(list(TOOL_CALL_TOKENS))
+        out.response_template = RESPONSE_TEMPLATE
+    return out

@@ -28,7 +28,8 @@ from rlhf_core.config import (
     RuntimeConfig,
     SFTConfig,
 )
-from rlhf_core.reward_functions import import_reward_function, split_reward_path
+from rlhf_core.reward_functions import import_reward_function, split_import_path
+from rlhf_core.tools import import_environment_factory, import_tool
 from rlhf_core.world.config import WorldConfig
 
 PARAMS_FILE = "params.yaml"
@@ -59,6 +60,9 @@ class TrustParams(_Section):
     reward_modules: list[str] = Field(default_factory=list)
     """Module prefixes train.reward_funcs[].function may import from, e.g. ['my_rewards'] allows 'my_rewards:f'
     and 'my_rewards.text:f', not 'my_rewards_x:f'. Empty: no Python reward function; checked before any import."""
+    tool_modules: list[str] = Field(default_factory=list)
+    """Module prefixes train.tools[] and train.environment_factory may import from, by reward_modules' rules. Apart
+    from reward_modules: a tool runs with arguments the policy writes. Empty: no tools; checked before any import."""
     roots: list[str] = Field(default_factory=list)
     """Folders, besides the workspace, that a path in a run's overrides may name (a data source, an accelerate
     config, a model): e.g. ['/data/corpora']. Relative entries are under the workspace."""
@@ -254,24 +258,22 @@ class Params(_Section):
     def _trusted_reward_functions(self) -> Params:
         """Each reward function's module must be one trust.reward_modules allows, checked before anything is
         imported; then it is resolved, so a typo fails here, not after the SFT stages."""
-        allowed = self.trust.reward_modules
         for i, source in enumerate(self.train.reward_funcs or []):
-            if source.function is None:
-                continue
-            key, only = f"train.reward_funcs[{i}].function", (f"trust.reward_modules ({allowed or 'empty'}) allows "
-                                                              "functions defined at module level in those modules only")
-            try:  # one name after the colon: no attribute path through what an allowed module imported
-                module = split_reward_path(source.function)[0]
-            except ValueError as err:
-                raise ValueError(f"{key}: {err}; {only}") from None
-            if not any(module == prefix or module.startswith(f"{prefix}.") for prefix in allowed):
-                raise ValueError(
-                    f"{key}: module {module!r} is not in trust.reward_modules ({allowed or 'empty'}); not imported. "
-                    f"To allow it, add its package to trust.reward_modules in params.yaml (a run's overrides cannot)")
-            try:  # defined in that module, under that name: not a name it imported, not an alias
-                import_reward_function(source.function)
-            except ValueError as err:
-                raise ValueError(f"{key}: {err}; {only}") from None
+            if source.function is not None:
+                _trusted_import(f"train.reward_funcs[{i}].function", source.function, self.trust.reward_modules,
+                                "trust.reward_modules", import_reward_function, "reward function", "function")
+        return self
+
+    @model_validator(mode="after")
+    def _trusted_tools(self) -> Params:
+        """Each tool's and the environment factory's module must be one trust.tool_modules allows, by the rules of
+        reward functions; then each is resolved (a tool also needs a schema the chat template can render)."""
+        for i, path in enumerate(self.train.tools):
+            _trusted_import(f"train.tools[{i}]", path, self.trust.tool_modules, "trust.tool_modules", import_tool,
+                            "tool", "function")
+        if self.train.environment_factory is not None:
+            _trusted_import("train.environment_factory", self.train.environment_factory, self.trust.tool_modules,
+                            "trust.tool_modules", import_environment_factory, "environment factory", "class")
         return self
 
     def rl_config(self) -> RLConfig:
@@ -288,6 +290,24 @@ class Params(_Section):
     def reward_config(self) -> RewardConfig:
         return RewardConfig(**{**self.reward_model.model_dump(include=set(RewardConfig.model_fields)),
                                "seed": self.base.seed})
+
+
+def _trusted_import(key: str, path: str, allowed: list[str], trust_key: str, resolve, kind: str, noun: str) -> None:
+    """ValueError naming `key` unless `path`'s module is under a prefix in `allowed` (checked before anything is
+    imported) and `resolve(path)` finds a `noun` defined at module level there (not a name it imported, not an
+    alias)."""
+    only = f"{trust_key} ({allowed or 'empty'}) allows {noun}s defined at module level in those modules only"
+    try:  # one name after the colon: no attribute path through what an allowed module imported
+        module = split_import_path(path, kind, noun)[0]
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}; {only}") from None
+    if not any(module == prefix or module.startswith(f"{prefix}.") for prefix in allowed):
+        raise ValueError(f"{key}: module {module!r} is not in {trust_key} ({allowed or 'empty'}); not imported. To "
+                         f"allow it, add its package to {trust_key} in params.yaml (a run's overrides cannot)")
+    try:
+        resolve(path)
+    except ValueError as err:
+        raise ValueError(f"{key}: {err}; {only}") from None
 
 
 def deep_merge(base: dict, override: dict) -> dict:
