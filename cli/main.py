@@ -7,11 +7,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 from cli.committed_results import say_rewritten_results, unchanged_results
 from cli.exps import exps
@@ -21,7 +24,42 @@ from cli.params import app as params_app
 from cli.preflight import check_servers_or_exit, ready_the_run, say_local_edits
 from cli.sweep import sweep
 
-app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO, GRPO) for causal LMs.",
+
+@contextmanager
+def _usage_errors_said_as_ours() -> Iterator[None]:
+    """Click's own errors (an unknown option or command, a bad value, a missing argument) said as the commands say
+    theirs: `error: ...` on stderr, then the usage, exit status 2. Typer drew them in a box titled "Error", beside
+    the commands' `error:` lines: two voices in one program."""
+    try:
+        yield
+    except typer.TyperException as err:  # click's ClickException and its usage errors, as typer vendors them
+        if type(err).__name__ == "NoArgsIsHelpError":  # `rlhf` alone: its help is printed already
+            raise
+        message = err.format_message().strip().replace("Value error, ", "")  # typer's validation says it of a choice
+        if len(message) > 1 and message[0].isupper() and message[1].islower():  # "No such option" -> "no such ..."
+            message = message[0].lower() + message[1:]
+        typer.echo(f"error: {message.removesuffix('.')}", err=True)
+        ctx = getattr(err, "ctx", None)
+        if ctx is not None:
+            usage = ctx.get_usage().removeprefix("Usage: ")
+            typer.echo(f"usage: {usage}  ({ctx.command_path} {ctx.help_option_names[0]} for more)", err=True)
+        raise typer.Exit(getattr(err, "exit_code", 1)) from None
+
+
+class _Rlhf(TyperGroup):
+    """The `rlhf` command group: usage errors in the commands' voice (_usage_errors_said_as_ours), wherever click
+    finds them: parsing this group's arguments, or a command's (inside invoke)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with _usage_errors_said_as_ours():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx):
+        with _usage_errors_said_as_ours():
+            return super().invoke(ctx)
+
+
+app = typer.Typer(help="An orchestrated, reproducible RLHF pipeline (PPO, RLOO, GRPO) for causal LMs.", cls=_Rlhf,
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode="markdown")  # paragraphs of a docstring reflow to the terminal
 

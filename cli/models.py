@@ -40,7 +40,8 @@ def _versions(client, name: str) -> list:
         typer.echo(f"error: {getattr(err, 'message', err)}", err=True)
         raise typer.Exit(2) from None
     if not versions:
-        typer.echo(f"no versions of {name!r} in {_uri()}; run the pipeline (it registers the policy) first", err=True)
+        typer.echo(f"error: no versions of {name!r} in {_uri()}; run the pipeline (it registers the policy) first",
+                   err=True)
         raise typer.Exit(1)
     return sorted(versions, key=lambda v: int(v.version), reverse=True)
 

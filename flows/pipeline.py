@@ -11,7 +11,8 @@ wait for another run that holds the workspace. One run:
    Prefect artifact with a link to the MLflow run, and reports/runs/<time>-<run>.json;
 4. runs each stage through DVC (flows/dvc_repro.py) with RLHF_PARENT_RUN_ID set, so stage runs nest under
    the pipeline run and unchanged stages are skipped exactly as `dvc repro` skips them;
-5. forwards a running stage's progress to its task's log and a progress artifact (flows/progress.py);
+5. forwards a running stage's progress to its task's log and a progress artifact, and the run's to the flow run's
+   progress artifact `rlhf-run-progress` (flows/progress.py);
 6. publishes what each stage left as it ends: validation summary, reward-model inspection, evaluation table.
 
 A failed stage fails the run with a message naming the stage and the tail of its log. SIGINT or SIGTERM stops
@@ -22,6 +23,7 @@ DVC's lock held by a manual `dvc repro`, a stage killed by a signal such as the 
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from contextlib import nullcontext
@@ -48,7 +50,7 @@ from flows.overrides import (
     write_run_record,
 )
 from flows.pipeline_run import end_pipeline_run, run_name, run_url, start_pipeline_run
-from flows.progress import forwarded_progress
+from flows.progress import forwarded_progress, run_progress
 from tasks.dag.dvc_yaml import DVC_YAML, load_stages, stage_names
 from tasks.execution.stage_server import SERVER_ENV, serving_stages
 from tasks.execution.transient import transient_cause
@@ -57,6 +59,36 @@ from tasks.tracking.mlflow_store import PARENT_RUN_ENV, TrackingError, tracking_
 
 LOGS_DIR = "reports/logs"
 UI_ONLY_LOGGER = "prefect.extra"  # Prefect sends its records to the API only (no console handler)
+
+
+class _UiRelay:
+    """A stage's output lines to its task's log in the Prefect UI, a record each; but the result `rlhf stage` prints
+    at its end (its metrics as an indented JSON object) as one record, not a record per line: forty records of `{`,
+    `"episode": 64,` ... `}` closed every stage's log."""
+
+    def __init__(self, log: logging.LoggerAdapter):
+        self.log, self.block = log, None
+
+    def __call__(self, line: str) -> None:
+        if self.block is not None:
+            self.block.append(line)
+            if line == "}":  # the object's end: its inner objects' ends are indented
+                self.close()
+        elif line == "{":
+            self.block = [line]
+        else:
+            self.log.info("%s", line)
+
+    def close(self) -> None:
+        """Send what is held (a result cut short goes as its lines came)."""
+        if self.block is None:
+            return
+        text, self.block = "\n".join(self.block), None
+        try:
+            text = json.dumps(json.loads(text), sort_keys=True)
+        except ValueError:
+            pass
+        self.log.info("%s", text)
 
 
 RETRYABLE: dict[str, str] = {}  # task run id -> why a retry may fix its failure (ReproResult.retry_reason)
@@ -70,9 +102,11 @@ def _retry_if_transient(task, task_run, state: State) -> bool:
 # a list: the UI's task-run page shows a list of delays as "NaN".
 @task(name="dvc-stage", task_run_name="{name}", retries=2, retry_delay_seconds=30,
       retry_condition_fn=_retry_if_transient, cache_policy=NO_CACHE, persist_result=False)
-def run_dvc_stage(name: str, root: str, parent_run_id: str = "", stage_server: str = "") -> dict | State:
+def run_dvc_stage(name: str, root: str, parent_run_id: str = "", stage_server: str = "",
+                  progress_file: str = "") -> dict | State:
     """`dvc repro --single-item NAME`: runs the stage if its params, deps or outs changed, else skips it; in the
-    run's warm stage server when it names one (tasks/execution/stage_server.py)."""
+    run's warm stage server when it names one (tasks/execution/stage_server.py). Its bars write to `progress_file`
+    when the flow names one (the flow's progress artifact reads it too)."""
     logger = get_run_logger()
     log = Path(root) / LOGS_DIR / f"{name}.log"
     logger.info("stage %s: log %s", name, log)
@@ -80,11 +114,12 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "", stage_server: s
     # the stage's lines (progress bars as they end) in the Prefect UI; the terminal has them from the relay
     ui_only = logging.LoggerAdapter(logging.getLogger(UI_ONLY_LOGGER), logger.extra)
     # and while it runs, its bars' moves every few steps, with a progress artifact (flows/progress.py)
-    with forwarded_progress(name, ui_only) as progress_env:
+    with forwarded_progress(name, ui_only, progress_file) as progress_env:
         env = stage_env({**progress_env, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}),
                          **({SERVER_ENV: stage_server} if stage_server else {})}, terminal)
-        result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None),
-                             on_line=lambda line: ui_only.info("%s", line))
+        relay = _UiRelay(ui_only)
+        result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None), on_line=relay)
+        relay.close()
     if interrupt.received():
         return Cancelled(message=f"stage {name!r} stopped by {interrupt.received()} after {result.seconds:.0f} s")
     if result.returncode != 0:
@@ -137,11 +172,12 @@ def _publish_mlflow_link(root: Path, mlflow_run_id: str) -> None:
     """The run's MLflow run, linked from its start (its stages' runs appear under it as they go)."""
     if mlflow_run_id:
         url = run_url(mlflow_run_id, root)
+        what = "the MLflow run: params, per-update metrics, the stage runs under it"  # a card's one line
         if url:
-            create_link_artifact(url, link_text=f"MLflow run {mlflow_run_id}", key="rlhf-mlflow-run")
+            create_link_artifact(url, link_text=f"MLflow run {mlflow_run_id}", key="rlhf-mlflow-run", description=what)
         else:
             create_markdown_artifact(reports.mlflow_run(mlflow_run_id, tracking_uri(root), None),
-                                     key="rlhf-mlflow-run")
+                                     key="rlhf-mlflow-run", description=what)
 
 
 def _runs_rlhf_stages(root: Path) -> bool:
@@ -157,15 +193,20 @@ def _run_stages(root: Path, names: list[str], parent_run_id: str) -> tuple[list[
     # torch, transformers and MLflow imported once for the run's stages, not once per stage (a pipeline of other
     # commands gains nothing from it)
     warm = serving_stages(root / LOGS_DIR / "stage_server.log") if _runs_rlhf_stages(root) else nullcontext("")
-    with warm as server:
-        for name in names:
+    # where the run is, on the flow run's page (its Artifacts tab) from the first stage to the end
+    with warm as server, run_progress(names) as progress:
+        for index, name in enumerate(names):
             if interrupt.received():
+                progress.stopped("cancelled before", index)
                 return results, Cancelled(message=f"stopped by {interrupt.received()} before stage {name!r}")
-            state = run_dvc_stage(name, str(root), parent_run_id, server, return_state=True)
+            with progress.stage(index) as progress_file:
+                state = run_dvc_stage(name, str(root), parent_run_id, server, progress_file, return_state=True)
             _to_prefect(f"stage {name}'s report", _publish_stage_report, root, name)
             if not state.is_completed():  # failed, or cancelled by a signal
+                progress.stopped("cancelled at" if state.is_cancelled() else "failed at")
                 return results, state
             results.append(state.result())
+        progress.done(results)
     return results, None
 
 
@@ -257,8 +298,8 @@ def rlhf_pipeline(profile: str = "demo", overrides: list[str] = [],  # noqa: B00
     """The RLHF pipeline: every stage of dvc.yaml, in order, through DVC.
 
     Args:
-        profile: `demo` (built-in world, tiny models, CPU) or a profiles/NAME.yaml.
-        overrides: `section.key=value` items, e.g. `train.kl_coef=0.1`; in params.yaml for this run only.
+        profile: demo (built-in world, tiny models, CPU) or a profiles/NAME.yaml.
+        overrides: section.key=value items, e.g. train.kl_coef=0.1; in params.yaml for this run only.
         wait_for_lock_s: how long to wait while another run holds this workspace, then fail.
         mlflow_parent: an MLflow run to nest this run's under (set by rlhf-sweep: its sweep run).
         experiment: the DVC experiment name to save an override run as (set by rlhf-sweep); default: the

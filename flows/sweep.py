@@ -426,11 +426,11 @@ def rlhf_sweep(grid: list[str], profile: str = "demo", overrides: list[str] = []
     """The pipeline over a grid of params, one DVC experiment and MLflow run per point, and its frontier.
 
     Args:
-        grid: `section.key=v1,v2,...` items, e.g. `train.kl_coef=0.02,0.05,0.15,0.3` and `train.algo=ppo,rloo`.
-        profile: `demo` or a profiles/NAME.yaml, for every point.
-        overrides: `section.key=value` items for every point.
+        grid: section.key=v1,v2,... items, e.g. train.kl_coef=0.02,0.05,0.15,0.3 and train.algo=ppo,rloo.
+        profile: demo or a profiles/NAME.yaml, for every point.
+        overrides: section.key=value items for every point.
         concurrency: points at once (with point_deployment; in this workspace they run one at a time).
-        point_deployment: run each point as a run of this deployment (e.g. `rlhf-pipeline/point`), on its pool.
+        point_deployment: run each point as a run of this deployment (e.g. rlhf-pipeline/point), on its pool.
         wait_for_lock_s: how long a point waits while another run holds this workspace.
     """
     root, logger = Path.cwd(), get_run_logger()

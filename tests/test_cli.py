@@ -59,6 +59,47 @@ def test_version_and_a_mistyped_command():
     assert result.exit_code == 2 and "Did you mean 'models'?" in result.output, result.output
 
 
+@pytest.mark.parametrize("args, said, command", [
+    (["run", "--bogus"], "error: no such option: --bogus", "rlhf run"),
+    (["validate", "data.jsonl", "--kind", "nope"], "error: invalid value for '--kind': 'nope' is not one of 'prompts', "
+                                                   "'sft', 'preferences'", "rlhf validate"),
+    (["validate"], "error: missing argument 'path'", "rlhf validate"),
+    (["bench", "--updates", "0"], "error: invalid value for '--updates': Input should be greater than or equal to 1",
+     "rlhf bench"),
+    (["nosuch"], "error: no such command 'nosuch'", "rlhf"),
+    (["models", "compare", "1", "--bogus"], "error: no such option: --bogus", "rlhf models compare"),
+], ids=["option", "choice", "argument", "bound", "command", "subcommand"])
+def test_usage_errors_speak_as_the_commands_errors_do(args, said, command):
+    """A mistyped option, value, argument or command is said as the commands say theirs (`error: ...`, then the
+    usage), not in typer's box titled "Error" beside them: one voice for every error of `rlhf`."""
+    result = CliRunner().invoke(app, args, prog_name="rlhf")
+    lines = result.output.splitlines()
+    assert result.exit_code == 2 and lines[0] == said, result.output
+    assert lines[1].startswith(f"usage: {command} ") and lines[1].endswith(f"({command} --help for more)"), lines
+    assert len(lines) == 2 and "Error" not in result.output and "╭" not in result.output, result.output
+
+
+def test_the_console_script_says_a_usage_error_in_one_voice():
+    """The same through `rlhf` as installed (main()), on stderr, nothing on stdout."""
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([Path(sys.executable).parent / "rlhf", "run", "--bogus"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.splitlines() == ["error: no such option: --bogus",
+                                       "usage: rlhf run [OPTIONS]  (rlhf run --help for more)"], out.stderr
+
+
+def test_an_empty_registry_is_said_as_an_error(mlflow_root, monkeypatch):
+    """`rlhf models list` with nothing registered exits 1 saying so, in the voice of every other error (the line
+    had no `error:` before it)."""
+    monkeypatch.chdir(mlflow_root)
+    result = CliRunner().invoke(app, ["models", "list", "--name", "rlhf-policy"], prog_name="rlhf")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: no versions of 'rlhf-policy' in sqlite:///"), result.output
+
+
 def _commands(command, path=()):
     yield list(path), command
     for name, sub in getattr(command, "commands", {}).items():

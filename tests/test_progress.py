@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -160,6 +161,107 @@ def test_the_progress_artifact_names_the_stage_once(local_prefect, monkeypatch):
         "rlhf-progress-evaluate": "evaluate: 3/4"}
     # no terminal here: the stage wrote its progress lines itself, so the flow forwarded none of them again
     assert lines == [], lines
+
+
+# A stage whose bar moves two fifths of the way, then waits for the file `go` before it goes on; at its end it prints
+# its result as `rlhf stage` does (an indented JSON object).
+HELD_STAGE = """import json, pathlib, time
+from tasks.tracking.progress import progress_bar
+
+with progress_bar("ok", total=5) as update:
+    for i in range(1, 6):
+        update(i, f"update {i}/5  reward {i / 10}")
+        while i == 2 and not pathlib.Path("go").exists():
+            time.sleep(0.1)
+print(json.dumps({"episode": 64, "objective/kl": 0.02, "time": {"update_s": 1.5}}, indent=2, sort_keys=True))
+"""
+
+
+def _artifacts(api: str, key: str) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+
+def _logs(api: str, flow_run_id) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    APILogWorker.drain_all(timeout=10)
+    with temporary_settings(updates={PREFECT_API_URL: api}), get_client(sync_client=True) as client:
+        return client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+
+
+def test_the_flow_run_shows_where_the_run_is_while_a_stage_runs_and_how_it_ended(local_prefect, tmp_path,
+                                                                                 monkeypatch):
+    """The flow run's own progress artifact (rlhf-run-progress): while a stage runs, that stage and its bar; at the
+    end, how the run ended. Before it, the only progress artifact was the stage's, made inside its task run: the flow
+    run's Artifacts tab (Prefect's V1 UI, which the "View at" link opens) listed it apart, under "Task runs". And the
+    stage's printed result is one record of its log."""
+    from test_flow import git_dvc_repo
+
+    from flows.pipeline import rlhf_pipeline
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    stages = {"ok": {"cmd": "python bar.py && echo ok > ok.txt", "deps": ["bar.py"], "outs": ["ok.txt"]},
+              "after": {"cmd": "cp ok.txt after.txt", "deps": ["ok.txt"], "outs": ["after.txt"]}}
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    (repo / "params.yaml").write_text("base:\n  profile: demo\n  seed: 0\n")
+    (repo / "bar.py").write_text(HELD_STAGE)
+    git_dvc_repo(repo)
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("RLHF_TRACKING", "off")
+
+    during = []
+
+    def watch() -> None:  # what the UI shows while `ok` holds at 2/5, then let it go on
+        deadline = time.monotonic() + WAIT_S
+        try:
+            while not during and time.monotonic() < deadline:
+                during.extend(a for a in _artifacts(local_prefect, "rlhf-run-progress")
+                              if a.description.startswith("stage 1/2 ok: 40%"))
+                time.sleep(0.5)
+        finally:
+            (repo / "go").touch()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        state = rlhf_pipeline(return_state=True)
+    finally:
+        (repo / "go").touch()
+        watcher.join()
+    assert state.is_completed(), state
+    run_id = state.state_details.flow_run_id
+    [now] = [a for a in _artifacts(local_prefect, "rlhf-run-progress") if a.flow_run_id == run_id]
+    assert during, f"while `ok` ran the flow run showed no progress of it; now: {now.description!r}"
+    [seen] = during
+    # the flow run's, not a task run's: its page lists it with the run's own artifacts
+    assert seen.id == now.id and seen.flow_run_id == run_id and seen.task_run_id is None
+    assert re.fullmatch(r"stage 1/2 ok: 40%, eta 0:\d\d:\d\d, update 2/5  reward 0\.2", seen.description), seen
+    assert seen.type == "progress" and seen.data == 20.0  # two fifths of the first of two stages
+    assert now.description == "done: 2 stages, 2 ran" and now.data == 100, now
+    [stage] = [a for a in _artifacts(local_prefect, "rlhf-progress-ok") if a.flow_run_id == run_id]
+    assert stage.task_run_id is not None and stage.data == 100  # the stage's own, on its task run, as before
+    # the stage's result, printed as an indented object, is one record of its log (it was one per line: `{`, ...)
+    messages = [log.message for log in _logs(local_prefect, run_id)]
+    assert '{"episode": 64, "objective/kl": 0.02, "time": {"update_s": 1.5}}' in messages, messages
+    assert "{" not in messages and "}" not in messages, messages
+
+    # a failed stage: where the run stopped (ok is unchanged: DVC skips it)
+    stages["after"]["cmd"] = "python -c \"import sys; sys.exit(3)\""
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    state = rlhf_pipeline(return_state=True)
+    assert state.is_failed(), state
+    [failed] = [a for a in _artifacts(local_prefect, "rlhf-run-progress")
+                if a.flow_run_id == state.state_details.flow_run_id]
+    assert failed.description == "failed at stage 2/2 after" and failed.data == 50, failed
 
 
 def test_the_run_summary_keeps_its_links_whole_and_says_whose_outputs_the_workspace_holds(tmp_path, capsys,

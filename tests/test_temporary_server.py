@@ -33,6 +33,11 @@ with temporary_server_if_needed():
 """
 
 
+# What Prefect says when this process's queued logs or events are sent at its exit, after the server stopped
+# ("--- Error logging to API ---", "Service 'EventsWorker' failed to process item ..."), or any ERROR record.
+AFTER_THE_SERVER = re.compile(r"\| ERROR |Error logging to API|failed to process item|Traceback")
+
+
 @contextmanager
 def held_flow_run(workdir: Path) -> Iterator[str]:
     """Yields the "View at" link of a flow run on the temporary server while the run waits; then lets it end."""
@@ -53,6 +58,8 @@ def held_flow_run(workdir: Path) -> Iterator[str]:
         (workdir / "go").touch()
         rest = run.stdout.read()
         assert run.wait(timeout=120) == 0, "".join(seen) + rest
+        # nothing left for a server that is gone: said after the run's last line, it read as the run's error
+        assert not AFTER_THE_SERVER.search(rest), rest
     finally:
         if run.poll() is None:
             run.kill()
@@ -97,3 +104,38 @@ def test_the_summary_says_how_to_see_a_run_of_the_temporary_server_again(monkeyp
                                      "http://127.0.0.1:4200/runs/flow-run/abc"
     monkeypatch.setenv("PREFECT_API_URL", "http://host:4200/api")
     assert prefect_ui_hint("abc") == "http://host:4200/runs/flow-run/abc"
+
+
+# A flow run in this interpreter against a test's Prefect server (tests/test_flow.py's prefect_server, as the suite's
+# in-process flows use it), then the interpreter's exit.
+IN_PROCESS_RUN = f"""
+import pathlib, sys
+sys.path.insert(0, {str(REPO / "tests")!r})
+from test_flow import prefect_server
+from prefect import flow, get_run_logger
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+@flow(name="{FLOW_NAME}")
+def probe():
+    get_run_logger().info("probing")
+
+with prefect_server(pathlib.Path(sys.argv[1]), "--no-scheduler") as url, \\
+        temporary_settings(updates={{PREFECT_API_URL: url}}):
+    probe()
+print("the server stopped", flush=True)
+"""
+
+
+def test_a_flow_run_against_a_tests_server_leaves_nothing_to_say_at_exit(tmp_path):
+    """`make test` ended with a Prefect ERROR after its summary: a pytest worker's queued logs and events, sent at
+    its exit to a test's server that had stopped. prefect_server sends them before it stops the server; without that
+    this process's last words were "--- Error logging to API --- All connection attempts failed"."""
+    from test_flow import base_env, with_migrated_prefect_db
+
+    home = with_migrated_prefect_db(tmp_path / "home")  # this process's migrated database: no migration there
+    run = subprocess.run([sys.executable, "-c", IN_PROCESS_RUN, str(home)], cwd=tmp_path, env=base_env(),
+                         capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "the server stopped" in run.stdout, out
+    assert "probing" in out, out  # the run's own line reached the console: what is checked is after it
+    assert not AFTER_THE_SERVER.search(out), out

@@ -39,7 +39,11 @@ from tasks.parameters.params import deep_merge, parse_override
 
 try:  # the `ui` extra (make test-ui installs it); `make test` deselects this module
     from selenium import webdriver
-    from selenium.common.exceptions import ElementClickInterceptedException, StaleElementReferenceException
+    from selenium.common.exceptions import (
+        ElementClickInterceptedException,
+        StaleElementReferenceException,
+        TimeoutException,
+    )
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -281,6 +285,13 @@ def literal(value: str) -> str:
     return f'"{value}"' if '"' not in value else f"'{value}'"
 
 
+def exactly(words: str) -> str:
+    """XPath of the innermost elements whose whole text (across their children: Vue splits a label into several text
+    nodes) is `words`."""
+    has = f"normalize-space()={literal(words)}"
+    return f"//*[{has}][not(*[{has}])]"
+
+
 def innermost(words: str) -> str:
     """XPath of the innermost elements whose text (across their children) contains `words`."""
     has = f"contains(normalize-space(), {literal(words)})"
@@ -331,9 +342,15 @@ def task_run_states(driver, run_name: str) -> dict[str, str]:
     return states
 
 
+def flow_run_ids(world: World) -> set[str]:
+    with prefect_client(world.api) as client:
+        return {str(run.id) for run in client.read_flow_runs(limit=200)}
+
+
 def start_custom_run(driver, world: World, override: str, name: str) -> str:
-    """Deployments → manual → Run → Custom run, one item added to the form's overrides list, Submit, then the
-    toast's 'View run'. Returns the flow run's id."""
+    """Deployments → manual → Run → Custom run, one item added to the form's overrides list, Submit, then the run's
+    page (its id from the API: the toast with its 'View run' link is gone after a few seconds, sooner than a loaded
+    machine's browser found it). Returns the flow run's id."""
     open_deployments(driver, world)
     click(driver, "//a[normalize-space()='manual']", "the manual deployment")
     click(driver, "//button[normalize-space()='Run']", "the Run button")
@@ -344,14 +361,82 @@ def start_custom_run(driver, world: World, override: str, name: str) -> str:
     field.send_keys(override)
     with screenshot(driver, name):
         assert field.get_attribute("value") == override
+        # the parameters' help as the flow's docstring gives it, read as text (Markdown's backticks showed as such)
+        help_lines = [line for line in text(driver).splitlines() if "profiles/NAME.yaml" in line or "e.g." in line]
+        assert help_lines and not any("`" in line for line in help_lines), help_lines
+    known = flow_run_ids(world)
     click(driver, "//button[normalize-space()='Submit']", "Submit")
-    click(driver, "//a[normalize-space()='View run']", "View run in the toast")
-    wait(driver, lambda d: "/runs/flow-run/" in d.current_url, "the flow run's page")
-    return driver.current_url.split("?")[0].rsplit("/", 1)[1]
+    run_id = wait_for_server("the submitted run", lambda: next(iter(flow_run_ids(world) - known), None), WAIT_S)
+    driver.get(run_page(world, run_id))
+    return run_id
 
 
 def run_page(world: World, run_id: str, tab: str = "Logs") -> str:
     return f"{world.prefect}/v2/runs/flow-run/{run_id}?tab={tab}"
+
+
+def v1_page(world: World, kind: str, run_id: str) -> str:
+    """A run's page in Prefect's V1 UI: where the "View at" link Prefect prints for a run leads (a browser with no
+    saved choice gets V2 only at the UI's root), and where `rlhf run`'s summary points."""
+    return f"{world.prefect}/runs/{kind}/{run_id}"
+
+
+def artifact_cards(driver) -> dict[str, str]:
+    """{key: description} of the cards on a flow run's Artifacts tab (V2: its grid; each card reads type, key, date,
+    "Created", then the description, on one line however long)."""
+    cards = {}
+    for card in driver.find_elements(By.XPATH, "//*[@data-testid='flow-run-artifacts-grid']/*"):
+        lines = card.get_attribute("innerText").splitlines()
+        keys = [i for i, line in enumerate(lines) if re.fullmatch(r"rlhf-[a-z-]+", line.strip())]
+        if keys:
+            rest = [line.strip() for line in lines[keys[0] + 1:] if line.strip() and line.strip() != "Created"]
+            cards[lines[keys[0]].strip()] = rest[-1] if len(rest) > 1 else ""
+    return cards
+
+
+def v1_artifacts(driver, world: World, run_id: str, flow_run: set[str], task_runs: set[str] = frozenset()):
+    """{"Flow run": keys, "Task runs": keys}, once they include `flow_run` and `task_runs`: the V1 page's Artifacts
+    tab, whose two headings part the flow run's own artifacts from its task runs' (listed a moment later)."""
+    driver.get(v1_page(world, "flow-run", run_id))
+    click(driver, "//li[contains(@class, 'p-tab')][normalize-space()='Artifacts']", "the Artifacts tab")
+    keys = "//*[starts-with(normalize-space(), 'rlhf-')][not(*[starts-with(normalize-space(), 'rlhf-')])]"
+
+    def sections(d) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {"Flow run": [], "Task runs": []}
+        for key in d.find_elements(By.XPATH, keys):
+            below = key.find_elements(By.XPATH, "./preceding::*[normalize-space()='Flow run' or "
+                                                "normalize-space()='Task runs'][1]")
+            if below and key.is_displayed():
+                found[below[0].text.strip()].append(key.text.strip())
+        return found
+
+    def listed(d) -> dict[str, list[str]] | None:
+        try:
+            found = sections(d)
+        except StaleElementReferenceException:  # redrawn while read (the run's progress moves): read again
+            return None
+        return found if flow_run <= set(found["Flow run"]) and task_runs <= set(found["Task runs"]) else None
+
+    try:
+        return wait(driver, listed, f"{sorted(flow_run)} under 'Flow run', {sorted(task_runs)} under 'Task runs'")
+    except TimeoutException:
+        raise AssertionError(f"the V1 page's artifacts: {listed(driver) or sections(driver)}") from None
+
+
+def text_at(driver, xpath: str) -> str | None:
+    """The text of the first visible element at `xpath` now; None when there is none, or it was redrawn meanwhile."""
+    try:
+        return next((e.text for e in driver.find_elements(By.XPATH, xpath) if e.is_displayed()), None)
+    except StaleElementReferenceException:
+        return None
+
+
+def task_run_ids(world: World, run_id: str) -> dict[str, str]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with prefect_client(world.api) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return {run.name: str(run.id) for run in runs}
 
 
 @pytest.fixture(scope="module")
@@ -393,9 +478,55 @@ def test_a_custom_run_with_an_override_completes_with_its_cached_stages(world, c
         assert summary == f"({len(RAN)} Completed, {len(CACHED)} Cached)", summary
         states = wait(browser, lambda d: task_run_states(d, name), "the task runs' cards")
         assert states == {**dict.fromkeys(CACHED, "Cached"), **dict.fromkeys(RAN, "Completed")}, states
+    # the log, newest first: each stage's printed result is one record (it was a record per line, `{` to `}`)
+    click(browser, "//*[@role='tab'][normalize-space()='Logs']", "the Logs tab")
+    choose(browser, "Oldest to newest", "Newest to oldest")
+    with screenshot(browser, "prefect-custom-run-logs"):
+        starts = "starts-with(normalize-space(), '{\"')"
+        shown(browser, f"//*[{starts}][not(*[{starts}])]", "register's result in the log")
+        lines = [line.strip() for line in text(browser).splitlines()]
+        assert "{" not in lines and "}" not in lines, lines
     click(browser, "//*[@role='tab'][normalize-space()='Parameters']", "the Parameters tab")
     with screenshot(browser, "prefect-custom-run-parameters"):
         shown(browser, innermost(f"train.kl_coef={CUSTOM_KL}"), "the override in the run's parameters")
+
+
+RUN_ARTIFACTS = {"rlhf-run-progress", "rlhf-run-parameters", "rlhf-mlflow-run", "rlhf-validation", "rlhf-inspection",
+                 "rlhf-evaluation"}  # the flow run's own (flows/pipeline.py), each made as what it shows is there
+STAGE_PROGRESS = {"rlhf-progress-train", "rlhf-progress-evaluate"}  # the task runs' of the stages that ran a bar
+
+
+def cards_with(keys: set[str]):
+    """A wait condition: the Artifacts tab's cards, once they include `keys`."""
+    return lambda d: (cards := artifact_cards(d)) and keys <= set(cards) and cards
+
+
+def test_the_runs_artifacts_say_how_it_ended_beside_each_stages_summary(world, custom_run, prefect_browser):
+    """After the run, its Artifacts tab: the run's progress saying how it ended, its parameters and MLflow link, each
+    stage's summary, and the stages' own progress. On the V1 page (the "View at" link's), the run's own stand under
+    "Flow run": the stages' progress, apart under "Task runs", used to be all the progress there was."""
+    browser = prefect_browser
+    browser.get(run_page(world, custom_run, "Artifacts"))
+    with screenshot(browser, "prefect-custom-run-artifacts", height=1800):
+        cards = wait(browser, cards_with(RUN_ARTIFACTS | STAGE_PROGRESS), "the run's artifacts")
+        assert cards["rlhf-run-progress"] == f"done: {len(CACHED + RAN)} stages, {len(RAN)} ran, {len(CACHED)} " \
+                                             "unchanged", cards
+    with screenshot(browser, "prefect-v1-custom-run-artifacts", height=1800):
+        v1_artifacts(browser, world, custom_run, RUN_ARTIFACTS, STAGE_PROGRESS)
+
+
+def test_a_stages_task_run_page_says_its_retries_come_30_s_apart(world, custom_run, prefect_browser):
+    """Train's task-run page, in the V1 UI (a task of the "View at" link's page) and in V2: 2 retries, "Retry Delay
+    30s". With a list of delays, one per retry, V1 read "Retry Delay NaNs" and V2 "None"."""
+    browser = prefect_browser
+    train = task_run_ids(world, custom_run)["train"]
+    for ui, page in (("v1", v1_page(world, "task-run", train)), ("v2", f"{world.prefect}/v2/runs/task-run/{train}")):
+        browser.get(page)
+        with screenshot(browser, f"prefect-{ui}-train-task-run"):
+            shown(browser, exactly("Retry Delay"), "the task's Retry Delay")
+            delay = wait(browser, lambda d: re.search(r"^Retry Delay\n(.+)$", text(d), flags=re.M), "its value")
+            assert delay.group(1) == "30s", delay.group(0)
+            assert re.search(r"^Retries\n2$", text(browser), flags=re.M), text(browser)
 
 
 # ----------------------------------------------------------------------------------------------- MLflow
@@ -525,6 +656,20 @@ def test_cancel_from_the_ui_shows_cancelled_without_an_error(world, custom_run, 
     browser.get("about:blank")  # nothing drawn while train gets going
     wait_for_server("train's first update", lambda: any(
         log.message.startswith("train: update ") for log in run_logs(world, run_id)))
+    # while train runs, the run's Artifacts tab says where it is (V2 as of the page's load), beside the summaries of
+    # the stages that ended; evaluate's comes when evaluate ends
+    browser.get(run_page(world, run_id, "Artifacts"))
+    with screenshot(browser, "prefect-train-progress-artifacts"):
+        cards = wait(browser, cards_with({"rlhf-run-progress", "rlhf-validation", "rlhf-inspection"}), "the artifacts")
+        assert re.fullmatch(r"stage 6/8 train: \d+%, eta .+, update \d+/6250\s+reward .+", cards["rlhf-run-progress"])
+        assert {"rlhf-run-parameters", "rlhf-mlflow-run"} <= set(cards) and "rlhf-evaluation" not in cards, cards
+    # the V1 page ("View at") has it under "Flow run", and moves it as train goes, without a reload
+    with screenshot(browser, "prefect-v1-train-progress-artifacts"):
+        v1_artifacts(browser, world, run_id, {"rlhf-run-progress"})
+        starts = "starts-with(normalize-space(), 'stage 6/8 train: ')"
+        progress = f"//*[{starts}][not(*[{starts}])]"
+        first = wait(browser, lambda d: text_at(d, progress), "the run's progress")
+        wait(browser, lambda d: (now := text_at(d, progress)) not in (None, first) and now, "the run's progress to move")
     browser.get(run_page(world, run_id))
     choose(browser, "Oldest to newest", "Newest to oldest")
     with screenshot(browser, "prefect-train-progress"):  # train's progress reaches the run's log while it runs
@@ -556,6 +701,10 @@ def test_cancel_from_the_ui_shows_cancelled_without_an_error(world, custom_run, 
     with screenshot(browser, "prefect-cancelled-run-task-runs", height=1600):
         states = wait(browser, lambda d: task_run_states(d, name), "the task runs' cards")
         assert states == {**dict.fromkeys(CACHED, "Cached"), "train": "Cancelled"}, states
+    click(browser, "//*[@role='tab'][normalize-space()='Artifacts']", "the Artifacts tab")
+    with screenshot(browser, "prefect-cancelled-run-artifacts"):
+        cards = wait(browser, cards_with({"rlhf-run-progress"}), "the run's progress")
+        assert cards["rlhf-run-progress"] == "cancelled at stage 6/8 train", cards
     logs = run_logs(world, run_id)  # and the API agrees: nothing at ERROR or above
     assert not [log.message for log in logs if log.level >= 40]
 
