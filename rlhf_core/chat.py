@@ -10,6 +10,11 @@ and becomes text where a stage reads it (TRL's `maybe_apply_chat_template`):
 
 So SFT's completion-only loss is a loss on the assistant turns, the reward model scores templated pairs, and
 the policy generates after the template's assistant header. Plain-text values pass through unchanged.
+
+Tool calling (TRL's format): an assistant message may carry `tool_calls` ([{"type": "function", "function": {"name",
+"arguments"}}], its `content` then optional), a `tool` message holds a call's result, and a row's `tools` column the
+JSON schemas of the functions (a list, or that list as a JSON string as datasets store it), which the chat template
+renders with the row.
 """
 
 from __future__ import annotations
@@ -27,9 +32,22 @@ class ChatTemplateError(ValueError):
 
 
 def is_conversation(value) -> bool:
-    """A non-empty list of {"role", "content"} mappings."""
+    """A non-empty list of {"role", "content"} mappings (an assistant's tool call may have `tool_calls` instead of
+    content)."""
     return (isinstance(value, list) and bool(value)
-            and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value))
+            and all(isinstance(m, Mapping) and "role" in m and ("content" in m or "tool_calls" in m) for m in value))
+
+
+def row_tools(row: Mapping) -> list | None:
+    """The row's `tools` column as a list of schemas (TRL's SFT reads a JSON string the same way); None when it has
+    none. A value that is neither is returned as it is, for validation to report."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            return tools
+    return tools or None
 
 
 def is_conversational(rows: Iterable[Mapping]) -> bool:
@@ -37,24 +55,25 @@ def is_conversational(rows: Iterable[Mapping]) -> bool:
     return any(is_conversation(v) for row in rows for v in row.values())
 
 
-def render_prompt(tokenizer, prompt, template_kwargs: Mapping | None = None) -> str:
-    """The prompt as the policy sees it: text unchanged, messages through the chat template up to the
-    assistant's turn."""
+def render_prompt(tokenizer, prompt, template_kwargs: Mapping | None = None, tools: list | None = None) -> str:
+    """The prompt as the policy sees it: text unchanged, messages through the chat template (with the row's
+    `tools`) up to the assistant's turn."""
     if not is_conversation(prompt):
         return prompt
     _require_template(tokenizer)
-    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
+    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True, tools=tools,
                                          **dict(template_kwargs or {}))
 
 
-def render_answer(tokenizer, prompt, answer, template_kwargs: Mapping | None = None) -> str:
+def render_answer(tokenizer, prompt, answer, template_kwargs: Mapping | None = None,
+                  tools: list | None = None) -> str:
     """An answer (completion, chosen, rejected, reference) as the text that follows the rendered prompt."""
     if not is_conversation(answer):
         return answer
     if not is_conversation(prompt):
         raise ChatTemplateError("an answer given as messages needs its prompt as messages too")
-    head = render_prompt(tokenizer, prompt, template_kwargs)
-    whole = tokenizer.apply_chat_template(list(prompt) + list(answer), tokenize=False,
+    head = render_prompt(tokenizer, prompt, template_kwargs, tools)
+    whole = tokenizer.apply_chat_template(list(prompt) + list(answer), tokenize=False, tools=tools,
                                           **dict(template_kwargs or {}))
     if not whole.startswith(head):
         raise ChatTemplateError(f"the chat template of {tokenizer.name_or_path!r} does not render the prompt as a "
@@ -72,12 +91,12 @@ def strip_closing_eos(text: str, eos_token: str | None) -> str:
 
 def render_row(row: Mapping, tokenizer, template_kwargs: Mapping | None = None) -> dict:
     """The row with its prompt and answers as text; other columns unchanged."""
-    out = dict(row)
+    out, tools = dict(row), row_tools(row)
     if "prompt" in row:
-        out["prompt"] = render_prompt(tokenizer, row["prompt"], template_kwargs)
+        out["prompt"] = render_prompt(tokenizer, row["prompt"], template_kwargs, tools)
     for column in ANSWER_COLUMNS:
         if column in row:
-            out[column] = render_answer(tokenizer, row.get("prompt"), row[column], template_kwargs)
+            out[column] = render_answer(tokenizer, row.get("prompt"), row[column], template_kwargs, tools)
     return out
 
 
@@ -96,16 +115,72 @@ def _require_template(tokenizer) -> None:
 
 # -- structure, for validation and for prepare's format conversions ---------------------------------------------
 
+TOOL_CALL_ROLE = "assistant[tool_calls]"  # how `roles` shows an assistant message that calls tools
+
+
 def roles(value) -> str | None:
-    """The roles of a conversation joined by commas ("system,user"); None for anything else."""
-    return ",".join(str(m["role"]) for m in value) if is_conversation(value) else None
+    """The roles of a conversation joined by commas ("system,user"; an assistant's tool call as TOOL_CALL_ROLE);
+    None for anything else."""
+    if not is_conversation(value):
+        return None
+    return ",".join(TOOL_CALL_ROLE if m["role"] == "assistant" and m.get("tool_calls") else str(m["role"])
+                    for m in value)
 
 
 def blank_messages(value) -> int | None:
-    """How many messages have no text content; None when `value` is not a conversation."""
+    """How many messages have no text content (a tool call needs none); None when `value` is not a conversation."""
     if not is_conversation(value):
         return None
-    return sum(not (isinstance(m["content"], str) and m["content"].strip()) for m in value)
+    return sum(not m.get("tool_calls") and not (isinstance(m.get("content"), str) and m["content"].strip())
+               for m in value)
+
+
+def first_tool_use(rows: Sequence[Mapping]) -> tuple[int, str] | None:
+    """(index, column) of the first row using tools: a `tools` column, or a conversation with a tool call or a tool
+    message; None when none does."""
+    for index, row in enumerate(rows):
+        for column, value in row.items():
+            if column == "tools" and value:
+                return index, column
+            if is_conversation(value) and any(m.get("tool_calls") or m["role"] == "tool" for m in value):
+                return index, column
+    return None
+
+
+def bad_tool_calls(value, tools) -> int | None:
+    """How many tool calls of a conversation are not TRL's {"type": "function", "function": {"name", "arguments"}}
+    (arguments a mapping or its JSON text) or name a function the row's `tools` (schemas) lacks; None when `value`
+    is not a conversation."""
+    if not is_conversation(value):
+        return None
+    known = tool_names(tools)
+    calls = [call for m in value if m.get("tool_calls") is not None
+             for call in (m["tool_calls"] if isinstance(m["tool_calls"], list) else [None])]
+    return sum(not _well_formed_call(call, known) for call in calls)
+
+
+def tool_names(tools) -> set[str] | None:
+    """The function names of a `tools` value (schemas as TRL's and transformers' get_json_schema write them:
+    {"type": "function", "function": {"name", ...}} or the bare function); None when there are none or it is not a
+    list of schemas."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    names = [(t.get("function", t) if isinstance(t, Mapping) else {}).get("name") for t in tools]
+    return set(names) if all(isinstance(n, str) and n for n in names) else None
+
+
+def _well_formed_call(call, known: set[str] | None) -> bool:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or call.get("type", "function") != "function":
+        return False
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return False
+    name = function.get("name")
+    return isinstance(name, str) and isinstance(arguments, Mapping) and (known is None or name in known)
 
 
 def value_format(value) -> str:
@@ -145,10 +220,18 @@ def last_user_text(prompt) -> str:
     return users[-1] if users else ""
 
 
+def message_text(message: Mapping) -> str:
+    """A message's text: its content, then its tool calls as JSON (what a tokenizer must learn to read)."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else "" if content is None else json.dumps(content)
+    calls = message.get("tool_calls")
+    return f"{text} {json.dumps(calls, ensure_ascii=False)}".strip() if calls else text
+
+
 def as_text(value) -> str:
     """A value for tables and logs: text as is, messages as `role: content` lines."""
     if is_conversation(value):
-        return "\n".join(f"{m['role']}: {m['content']}" for m in value)
+        return "\n".join(f"{m['role']}: {message_text(m)}" for m in value)
     return value if isinstance(value, str) else json.dumps(value)
 
 

@@ -32,6 +32,20 @@ def check_tool_template(tokenizer, template_kwargs: Mapping | None = None) -> No
         raise ValueError(f"tools: the tokenizer {name!r} has no response_template, so tool calls cannot be parsed from "
                          "what the model writes (transformers' parse_response); the demo world's tokenizer has one "
                          "when trained with tools (rlhf_core/world/tokenizer.py)")
+    check_tool_rendering(tokenizer, template_kwargs)
+    head = render_ids(tokenizer, _dummy_call("dummy"), template_kwargs=template_kwargs)
+    whole = render_ids(tokenizer, [*_dummy_call("dummy"), {"role": "tool", "name": "dummy", "content": "dummy"}],
+                       generation_prompt=True, template_kwargs=template_kwargs)
+    if whole[:len(head)] != head:
+        raise ValueError(f"tools: the chat template of {name!r} renders a conversation's earlier turns differently "
+                         "once a tool message follows them (not prefix-preserving): tool results cannot be appended "
+                         "as tokens after what the model wrote")
+
+
+def check_tool_rendering(tokenizer, template_kwargs: Mapping | None = None) -> None:
+    """ValueError unless the chat template renders a whole tool exchange, user -> assistant with tool_calls -> tool,
+    every part of it showing (TRL's `supports_tool_calling`): what training on tool-call data needs."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tools: the tokenizer {name!r} has no chat template to render tools and tool messages with")
     s = _SENTINELS
@@ -45,13 +59,6 @@ def check_tool_template(tokenizer, template_kwargs: Mapping | None = None) -> No
     if not all(sentinel in rendered for sentinel in s.values()):
         raise ValueError(f"tools: the chat template of {name!r} drops part of a tool exchange (the call's name or "
                          "arguments, or the tool message); it must render user -> assistant with tool_calls -> tool")
-    head = render_ids(tokenizer, _dummy_call("dummy"), template_kwargs=template_kwargs)
-    whole = render_ids(tokenizer, [*_dummy_call("dummy"), {"role": "tool", "name": "dummy", "content": "dummy"}],
-                       generation_prompt=True, template_kwargs=template_kwargs)
-    if whole[:len(head)] != head:
-        raise ValueError(f"tools: the chat template of {name!r} renders a conversation's earlier turns differently "
-                         "once a tool message follows them (not prefix-preserving): tool results cannot be appended "
-                         "as tokens after what the model wrote")
 
 
 def render_ids(tokenizer, messages: Sequence[Mapping], *, tools: Sequence[Callable] = (),

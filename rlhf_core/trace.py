@@ -7,6 +7,11 @@ and the return (the value target). RLOO: per token the log-probs and the KL pena
 sequence reward (score - kl_coef * sum_t KL_t), the leave-one-out baseline and the advantage; at
 kl_level='token' also the per-token rewards and advantages.
 
+Every token says whether the loss trained on it (`trained`: the rollout's loss mask). A multi-turn rollout with tools
+also lists its turns in order (the model's and the tool results appended after its calls, each with its token span and
+text), and each token says which turn and source it belongs to: tool-result tokens are never trained (TRL's
+tool_mask) and carry no log-prob or KL.
+
 Pure: it reads the filled `Rollout` and the per-episode stats the algorithm returned (the trainer's
 `on_update` hook hands both over). The only arithmetic is `ops.kl_penalty`, the op the algorithms apply.
 """
@@ -74,6 +79,19 @@ def rollout_summary(batch: Rollout, stats: dict[str, Tensor], cfg: RLConfig, row
     return out
 
 
+def turns(batch: Rollout, row: int, decode: Decode) -> list[dict]:
+    """The turns of a multi-turn rollout: runs of model tokens (tool mask 1) and of tool results (0), in order."""
+    length, out = int(batch.response_lengths[row]), []
+    for t in range(length):
+        source = "model" if bool(batch.tool_mask[row, t]) else "tool"
+        if not out or out[-1]["source"] != source:
+            out.append({"turn": len(out), "source": source, "start": t, "end": t})
+        out[-1]["end"] = t + 1
+    for turn in out:
+        turn["text"] = decode(batch.responses[row, turn["start"]:turn["end"]].tolist())
+    return out
+
+
 def trace_update(batch: Rollout, stats: dict[str, Tensor], cfg: RLConfig, *, update: int, decode: Decode,
                  rollouts: int = 4) -> dict:
     """The trace of the first `rollouts` rollouts of an update's batch, JSON-ready.
@@ -85,13 +103,23 @@ def trace_update(batch: Rollout, stats: dict[str, Tensor], cfg: RLConfig, *, upd
     head = batch[:n].to("cpu")
     head_stats = {k: v[:n].detach().cpu() for k, v in stats.items()}
     columns = {k: v.detach().float() for k, v in token_columns(head, cfg).items()}
+    trained = head.loss_mask
     traced = []
     for row in range(n):
         summary = rollout_summary(head, head_stats, cfg, row, decode)
         summary["tokens"] = [
             {"position": t, "token_id": int(head.responses[row, t]), "token": decode([int(head.responses[row, t])]),
+             "trained": bool(trained[row, t]),
              **{name: float(columns[name][row, t]) for name in TOKEN_QUANTITIES if name in columns}}
             for t in range(summary["response_length"])]
+        if head.tool_mask is not None:
+            summary["turns"] = turns(head, row, decode)
+            for turn in summary["turns"]:
+                for token in summary["tokens"][turn["start"]:turn["end"]]:
+                    token.update(turn=turn["turn"], source=turn["source"])
+            summary.update(tool_calls=int(head.tool_calls[row]), tool_failures=int(head.tool_failures[row]))
+            if head.env_rewards is not None:
+                summary["env_reward"] = float(head.env_rewards[row])
         traced.append(summary)
     return {"update": update, "algo": cfg.algo, "kl_coef": cfg.kl_coef, "kl_estimator": cfg.kl_estimator,
             "quantities": [name for name in TOKEN_QUANTITIES if name in columns],

@@ -29,7 +29,8 @@ ONLY_IN = {  # third-party packages and the only layers that may import them
     "ray": {"tasks"},  # tasks/execution/ray_launch.py alone (test_only_the_ray_launcher_imports_ray)
 }
 IMPORTERS = {"import_module", "__import__", "find_spec"}  # importlib's: the module's name is the first argument
-LOADERS = {"flow_of", "import_reward_function"}  # the project's: "package.module:name" or "dir/file.py:name" first
+# the project's loaders: "package.module:name" or "dir/file.py:name" first
+LOADERS = {"flow_of", "import_reward_function", "import_tool", "import_environment_factory"}
 DATA_NAMED = {  # the only dynamic imports whose module comes from data, and where that data is checked
     "flows/deployments.py": "prefect.yaml's entrypoints: test_prefect_entrypoints_are_flows",
     "rlhf_core/reward_functions.py": "params' reward functions, confined to trust.reward_modules (tests/test_trust.py)",

@@ -359,3 +359,106 @@ BROKEN_LAYOUTS = {  # name: (kind, rows, the failed check's description, its row
 def test_a_broken_layout_fails_naming_its_own_column_and_rows(templated_workspace, name):
     failed = failed_checks_naming(templated_workspace, *BROKEN_LAYOUTS[name])
     assert len(failed) == 1, f"one problem, one failed check: {[c['description'] for c in failed]}"
+
+
+# -- tool calling (#54): TRL's `tools` column, assistant tool_calls, tool messages ----------------------------------
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"key": {"type": "string", "description": "the word"}}, "required": ["key"]}}}
+
+
+def tool_call(name, arguments):
+    return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": name,
+                                                                                  "arguments": arguments}}]}
+
+
+def tool(content, name="lookup"):
+    return {"role": "tool", "name": name, "content": content}
+
+
+EXCHANGE = [user("w2"), tool_call("lookup", {"key": "w2"}), tool("w5")]
+TOOL_ROWS = {  # each layout prepare reads, as TRL's tool-calling datasets hold it (`tools` as JSON text or a list)
+    "sft": [{"messages": [*EXCHANGE, assistant("w5")], "tools": json.dumps([LOOKUP])},
+            {"messages": [user("w3"), tool_call("lookup", '{"key": "w3"}')], "tools": json.dumps([LOOKUP])}],
+    "sft explicit": [{"prompt": [user("w2")], "completion": [tool_call("lookup", {"key": "w2"})], "tools": [LOOKUP]},
+                     {"prompt": EXCHANGE, "completion": [assistant("w5")], "tools": [LOOKUP]}],
+    "prompts": [{"prompt": [user("w2")], "tools": [LOOKUP]}, {"prompt": [user("w3")], "tools": [LOOKUP]}],
+    "preferences": [{"prompt": EXCHANGE, "chosen": [assistant("w5")], "rejected": [assistant("w6")],
+                     "tools": [LOOKUP]}],
+}
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer_dir(tmp_path_factory):
+    """The world's tokenizer trained with tools (its chat template renders tools, calls and tool messages)."""
+    texts = ["w2 w3 w4 w5 w6 lookup key", json.dumps(LOOKUP)]
+    folder = tmp_path_factory.mktemp("tool_tok")
+    train_tokenizer(texts, vocab_size=400, tools=True).save_pretrained(folder)
+    return folder
+
+
+def validate_tools(path: Path, kind: str, tokenizer: Path):
+    return CliRunner().invoke(app, ["validate", str(path), "--kind", kind, "--tokenizer", str(tokenizer),
+                                    "--max-prompt-tokens", "512", "--max-completion-tokens", "64", "--json"])
+
+
+@pytest.mark.parametrize("name", TOOL_ROWS)
+def test_tool_call_datasets_pass_in_every_layout(templated_workspace, tool_tokenizer_dir, name):
+    kind = name.split()[0]
+    result = validate_tools(write_jsonl(templated_workspace / "tools.jsonl", TOOL_ROWS[name]), kind,
+                            tool_tokenizer_dir)
+    assert result.exit_code == 0, result.output
+    checks = {c["description"] for c in json.loads(result.output)["datasets"][0]["checks"]}
+    assert any(d.startswith("`tools` is a list of function schemas") for d in checks)
+    assert any(d.startswith("every tool call of") for d in checks) and \
+        "conversations render with the tokenizer's chat template" in checks
+
+
+BROKEN_TOOL_ROWS = {  # name: (kind, rows, the failed check's description, its rows)
+    "call of a function the row lacks": ("sft", TOOL_ROWS["sft"] + [
+        {"messages": [user("w2"), tool_call("search", {"key": "w2"})], "tools": [LOOKUP]}],
+        "every tool call of `messages`", [3]),
+    "arguments that are no object": ("sft", TOOL_ROWS["sft"] + [
+        {"messages": [user("w2"), tool_call("lookup", "[1, 2")], "tools": [LOOKUP]}],
+        "every tool call of `messages`", [3]),
+    "tool result without a call": ("sft", TOOL_ROWS["sft"] + [
+        {"messages": [user("w2"), tool("w5"), assistant("w5")], "tools": [LOOKUP]}],
+        "`messages`: an optional system message", [3]),
+    "tools that are no schemas": ("prompts", TOOL_ROWS["prompts"] + [{"prompt": [user("w4")], "tools": [{"x": 1}]}],
+                                  "`tools` is a list of function schemas", [3]),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN_TOOL_ROWS)
+def test_broken_tool_calls_fail_naming_the_rows(templated_workspace, tool_tokenizer_dir, name):
+    kind, rows, description, bad_rows = BROKEN_TOOL_ROWS[name]
+    result = validate_tools(write_jsonl(templated_workspace / "tools.jsonl", rows), kind, tool_tokenizer_dir)
+    assert result.exit_code == 1, result.output
+    failed = [c for c in json.loads(result.output)["datasets"][0]["checks"] if not c["success"]]
+    matching = [c for c in failed if c["description"].startswith(description)]
+    assert matching and matching[0]["rows"] == bad_rows, [(c["description"], c["rows"]) for c in failed]
+
+
+def test_a_chat_template_without_tools_is_one_error_naming_the_file_and_row(templated_workspace):
+    """WORD_TEMPLATE renders messages but drops tool calls: one error naming the file, the first row that uses tools,
+    its column and what is expected (exit 2), not a failed check on every row."""
+    rows = [{"prompt": [user("w2")], "completion": [assistant("w3")]}, *TOOL_ROWS["sft explicit"]]
+    path = write_jsonl(templated_workspace / "tools.jsonl", rows)
+    result = validate_tools(path, "sft", templated_workspace / "tok")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"{path}: row 2 uses tools (`completion`)" in text, text
+    assert "drops part of a tool exchange" in text and "Expected a chat template that renders a row's `tools`" in text
+    assert "Traceback" not in result.output
+
+
+def test_prepare_keeps_the_tools_column_and_renders_with_it(tool_tokenizer_dir):
+    from rlhf_core.hub import load_tokenizer
+    from tasks.data.layouts import normalize
+
+    rows = normalize(TOOL_ROWS["sft"], "sft")
+    assert [row["tools"] for row in rows] == [json.dumps([LOOKUP])] * 2
+    assert rows[0]["prompt"] == EXCHANGE and rows[0]["completion"] == [assistant("w5")]
+    rendered = chat.render_row(rows[1], load_tokenizer(tool_tokenizer_dir))
+    assert '"name": "lookup"' in rendered["prompt"], "the row's tools are rendered into the prompt"
+    assert rendered["completion"] == '<tool_call>{"name": "lookup", "arguments": {"key": "w3"}}</tool_call>'

@@ -759,3 +759,81 @@ def test_tool_rollouts_refuse_prompts_that_are_not_conversations(tok, tool_modul
     cfg = RLConfig(algo="grpo", tools=[f"{TOOLS_MODULE}:add"])
     with pytest.raises(ValueError, match="prompt row 1 is not a conversation"):
         ToolRollouts(cfg, tok, [{"prompt": [{"role": "user", "content": "hi"}]}, {"prompt": "hi"}])
+
+
+# ------------------------------------------------------------------------ through the pipeline: evaluate and trace
+
+def test_greedy_evaluation_runs_the_tools_and_reports_their_rates(tok, tool_module, model_config):
+    """evaluate's greedy rollout is multi-turn with tools: the calls the model writes run (here forced: a call of add,
+    one of broken, none), their results join the completion, and the report has TRL's tool figures, calls per
+    completion and failures per call, for the policy and the reference, next to the win rates; KL and length count
+    the model's tokens only."""
+    from rlhf_core.greedy_eval import evaluate
+
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS[:3]]
+    cfg = RLConfig(algo="grpo", tools=[f"{TOOLS_MODULE}:add", f"{TOOLS_MODULE}:broken"], response_length=40,
+                   max_tool_calling_iterations=1)
+    tools = ToolRollouts(cfg, tok, rows)
+    scripts = [ids(tok, call("add", a=2, b=3)), ids(tok, call("broken", x="x")), ids(tok, "the answer is five")]
+    tools.chooser = lambda choice, keys, keep: Replay(scripts, then=Sampler(choice, keys, keep))
+    report = evaluate(init_causal_lm(model_config, seed=0), init_causal_lm(model_config, seed=1), tok,
+                      ["unused"] * 3, scorer=lambda batch: torch.zeros(len(batch)), response_length=40,
+                      temperature=1.0, gold=lambda prompt, completion, eos: float("5" in completion), tools=tools)
+    summary, table = report.summary, report.rows
+    for prefix in ("", "ref_"):
+        assert summary[f"{prefix}tool_call_rate"] == pytest.approx(2 / 3)
+        assert summary[f"{prefix}tool_failure_rate"] == pytest.approx(1 / 2), "broken's call failed"
+    assert [(r["tool_calls"], r["tool_failures"]) for r in table] == [(1, 0), (1, 1), (0, 0)]
+    assert table[0]["completion"].startswith(call("add", a=2, b=3) + "5"), "the tool's result follows its call"
+    assert '"name": "add"' in table[0]["prompt"], "the prompt as rendered with its tools"
+    assert table[0]["score_gold"] == 1.0 and {"win_rate_gold", "win_rate_rm", "mean_kl"} <= summary.keys()
+    with_results = sum(len(ids(tok, r["completion"], eos=False)) for r in table) / 3
+    assert summary["mean_length"] < with_results, "the tool results are not the policy's tokens"
+
+
+def test_the_trace_shows_each_turn_and_which_tokens_were_trained(tok, tool_module, model_config, tmp_path):
+    """The reward-flow trace of a multi-turn update: the turns in order (the model's call, the tool's result, the
+    model's answer), each token's turn and source, tool results untrained with log-prob 0; the heatmap is drawn."""
+    from rlhf_core.trace import trace_update
+    from tasks.reports.plots import plot_trace
+
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS[:2]]
+    cfg = RLConfig(algo="grpo", tools=[f"{TOOLS_MODULE}:add"], total_episodes=4, per_device_train_batch_size=4,
+                   gradient_accumulation_steps=1, num_epochs=1, local_rollout_forward_batch_size=4, response_length=40,
+                   temperature=1.0, num_generations=2, max_tool_calling_iterations=1, sampling_seed="episode")
+    traces = []
+    trainer = RLTrainer(cfg, init_causal_lm(model_config, seed=0), lambda batch: torch.zeros(len(batch)),
+                        [[1]] * len(rows), pad_token_id=tok.pad_token_id, stop_token_id=tok.eos_token_id,
+                        tokenizer=tok, prompt_rows=rows,
+                        on_update=lambda _, batch, stats: traces.append(
+                            trace_update(batch, stats, cfg, update=1, decode=tok.decode, rollouts=2)))
+    add = ids(tok, call("add", a=2, b=3))
+    trainer.rollouts.tools.chooser = lambda choice, keys, keep: Replay([add] * 4, then=Sampler(choice, keys, keep))
+    trainer.train()
+    rollout = traces[0]["rollouts"][0]
+    turns = rollout["turns"]
+    assert [t["source"] for t in turns][:3] == ["model", "tool", "model"] and rollout["tool_calls"] == 1
+    assert turns[0]["text"] == tok.decode(add) and "5" in turns[1]["text"]
+    assert [(t["start"], t["end"]) for t in turns] == list(zip([0] + [t["end"] for t in turns[:-1]],
+                                                               [t["end"] for t in turns], strict=True))
+    tokens = rollout["tokens"]
+    assert all(t["trained"] == (t["source"] == "model") for t in tokens)
+    assert all(t["logprob"] == 0.0 for t in tokens if t["source"] == "tool")
+    assert [t["turn"] for t in tokens[turns[1]["start"]:turns[1]["end"]]] == [1] * (turns[1]["end"] - turns[1]["start"])
+    plot_trace(traces[0], tmp_path / "trace.png")
+    assert (tmp_path / "trace.png").stat().st_size > 0
+
+
+def test_the_evaluate_stage_takes_trains_tools_at_its_own_budget(tok, tool_module):
+    from tasks.parameters.params import Params
+    from tasks.stages.evaluate import tool_rollouts
+
+    rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS[:2]]
+    params = Params.model_validate({"trust": {"tool_modules": [TOOLS_MODULE]}, "evaluate": {"response_length": 17},
+                                    "train": {"algo": "grpo", "tools": [f"{TOOLS_MODULE}:add"],
+                                              "environment_factory": f"{TOOLS_MODULE}:Counter",
+                                              "max_tool_calling_iterations": 2}})
+    tools = tool_rollouts(params, tok, rows)
+    assert (tools.cfg.response_length, tools.cfg.max_tool_calling_iterations) == (17, 2)
+    assert [fn.__name__ for fn in tools.tools] == ["add"] and tools.reward_name == "Counter"
+    assert tool_rollouts(Params(), tok, rows) is None, "no tools: single-turn greedy completions as before"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -572,3 +573,110 @@ def test_fields_rloo_and_grpo_share_need_the_trainer_named(algo):
     assert (train["algo"], k) == (algo, 4)
     assert (train["kl_coef"], train["response_length"]) == ((0.05, 256) if algo == "rloo" else (0.0, 512)), \
         "each trainer's own defaults (TRL 1.9 RLOOConfig, TRL 1.16 GRPOConfig)"
+
+
+# -- GRPO with tools (#54): GRPOTrainer's tools / environment_factory, GRPOConfig's max_tool_calling_iterations ------
+
+RECIPE_TOOLS = "trl_recipe_tools"  # a module of real tools, importable while these tests run
+RECIPE_TOOLS_SOURCE = '''
+def lookup(key: str) -> str:
+    """Look a key up.
+
+    Args:
+        key: what to look up
+    """
+    return key.upper()
+
+
+class Counter:
+    def reset(self, **row):
+        self.count = 0
+
+    def bump(self, by: int) -> int:
+        """Add to the count.
+
+        Args:
+            by: how much
+        """
+        self.count += by
+        return self.count
+'''
+
+
+@pytest.fixture
+def tools_workspace(params_dir, monkeypatch):
+    """params_dir whose params.yaml trusts RECIPE_TOOLS (a profile cannot), with the module importable."""
+    (params_dir / f"{RECIPE_TOOLS}.py").write_text(RECIPE_TOOLS_SOURCE)
+    monkeypatch.syspath_prepend(str(params_dir))
+    monkeypatch.chdir(params_dir)  # check_profile validates over the working directory's params.yaml
+    yield params_dir
+    import sys
+
+    sys.modules.pop(RECIPE_TOOLS, None)
+
+
+def _trust_tools(workspace: Path) -> None:
+    data = yaml.safe_load((workspace / "params.yaml").read_text())
+    data.setdefault("trust", {})["tool_modules"] = [RECIPE_TOOLS]
+    (workspace / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def _recipe_with(workspace: Path, **extra) -> Path:
+    recipe = {**yaml.safe_load((RECIPES / "grpo_tldr.yaml").read_text()), **extra}
+    path = workspace / "grpo_tools.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_a_grpo_recipe_with_tools_maps_them_onto_our_keys(tools_workspace):
+    """TRL's dotted paths (as its grpo script names reward_funcs) become ours; the iteration cap is carried over, the
+    tool timeout is TRL's (none), and the report says what params.yaml must trust."""
+    _trust_tools(tools_workspace)
+    recipe = _recipe_with(tools_workspace, tools=[f"{RECIPE_TOOLS}.lookup"],
+                          environment_factory=f"{RECIPE_TOOLS}.Counter", max_tool_calling_iterations=2)
+    result, params = from_trl(tools_workspace, recipe)
+    cfg = params.rl_config()
+    assert (cfg.tools, cfg.environment_factory) == ([f"{RECIPE_TOOLS}:lookup"], f"{RECIPE_TOOLS}:Counter")
+    assert (cfg.max_tool_calling_iterations, cfg.tool_timeout, cfg.uses_tools) == (2, None, True)
+    text = " ".join(result.output.split())
+    assert f"tools -> train.tools: ['{RECIPE_TOOLS}:lookup']" in text
+    assert f"trust.tool_modules: params.yaml must allow {RECIPE_TOOLS}" in text
+    assert "a malformed tool call" in text and "train.tool_timeout: null as TRL's" in text
+
+
+def test_a_recipe_naming_untrusted_tools_is_refused_naming_the_key(tools_workspace):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    recipe = _recipe_with(tools_workspace, tools=[f"{RECIPE_TOOLS}.lookup"])
+    out = tools_workspace / "profiles" / "grpo_tools.yaml"
+    result = CliRunner().invoke(app, ["from-trl", str(recipe), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert f"train.tools[0]: module '{RECIPE_TOOLS}' is not in trust.tool_modules" in " ".join(result.output.split())
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"tools": ["lookup"]}, "tools[0]='lookup': expected an import path"),
+    ({"environment_factory": 3}, "environment_factory=3: expected an import path"),
+])
+def test_a_tool_that_is_not_an_import_path_is_refused(extra, says):
+    from tasks.from_trl.recipe import RecipeError, convert
+
+    with pytest.raises(RecipeError, match=re.escape(says)):
+        convert({**yaml.safe_load((RECIPES / "grpo_tldr.yaml").read_text()), **extra})
+
+
+def test_tool_options_without_tools_or_outside_grpo_are_reported():
+    """max_tool_calling_iterations alone changes nothing in TRL; RLOO and PPO recipes naming tools are warned."""
+    from tasks.from_trl.recipe import convert
+
+    grpo = convert({**yaml.safe_load((RECIPES / "grpo_tldr.yaml").read_text()), "max_tool_calling_iterations": 3})
+    assert "tools" not in grpo.profile["train"] and "max_tool_calling_iterations" not in grpo.profile["train"]
+    assert any(item.startswith("max_tool_calling_iterations (TRL reads it only with tools") for item in grpo.bookkeeping)
+    for recipe, algo in (("rloo.yaml", "rloo"), ("ppo_tldr.yaml", "ppo")):
+        conversion = convert({**yaml.safe_load((RECIPES / recipe).read_text()), "tools": ["my_lib.tools.lookup"]},
+                             algo=algo, train_rows=1024)
+        assert "tools" not in conversion.profile["train"] and not conversion.unknown
+        assert [u for u in conversion.unsupported if u.startswith(f"tools: TRL's {algo.upper()} trainer takes no")]

@@ -46,11 +46,19 @@ class TokenBudget:
         return self.max_prompt_tokens if name == "prompt" else self.max_completion_tokens
 
 
-# A prompt: an optional system message, then user and assistant turns alternating, the last from the user.
-PROMPT_ROLES = r"^(?:system,)?user(?:,assistant,user)*$"
-ANSWER_ROLES = r"^assistant(?:,assistant)*$"  # the conversation before an answer belongs in `prompt`
-CONVERSATION_ROLES = r"^(?:system,)?user(?:,assistant,user)*(?:,assistant)+$"  # a prompt, then the answer
-PROMPT_WHAT = "an optional system message, then user and assistant turns alternating, the last from the user"
+# A prompt: an optional system message, then user and assistant turns alternating, the last from the user. With
+# tools (TRL's tool calling; rlhf_core/chat.py `roles` writes a call as assistant[tool_calls]) an assistant turn may
+# first make tool calls, each answered by tool messages, and a prompt may end with tool results to answer.
+EXCHANGE = r"assistant\[tool_calls\](?:,tool)+"  # a tool call and its results
+TURN = rf"(?:{EXCHANGE},)*assistant"
+ANSWER = rf"(?:{EXCHANGE},)*(?:assistant(?:,assistant)*|assistant\[tool_calls\])"  # an answer, or a call to make
+PROMPT_ROLES = rf"^(?:system,)?user(?:,{TURN},user)*(?:,{EXCHANGE})*$"
+ANSWER_ROLES = rf"^{ANSWER}$"  # the conversation before an answer belongs in `prompt`
+CONVERSATION_ROLES = rf"^(?:system,)?user(?:,{TURN},user)*,{ANSWER}$"  # a prompt, then the answer
+PROMPT_WHAT = ("an optional system message, then user and assistant turns alternating, the last from the user (an "
+               "assistant's tool calls each followed by their tool messages)")
+TOOL_SCHEMAS_WHAT = ("`tools` is a list of function schemas, [{type: function, function: {name, description, "
+                     "parameters}}] (or that list as JSON text), as TRL's tool-calling datasets hold it")
 SAME_FORMAT = {"text", "messages"}  # every text column of a row: all text or all messages
 
 
@@ -71,7 +79,23 @@ def build_suite(layout: Layout, frame: pd.DataFrame, budget: TokenBudget) -> lis
     naming the file's own columns."""
     assert layout.kind in LAYOUT_KIND.values(), f"unknown kind {layout.kind!r}"
     build = {EXPLICIT: _explicit_suite, MESSAGES: _messages_suite, IMPLICIT: _implicit_suite}[layout.name]
-    return build(layout, set(frame.columns), budget)
+    return build(layout, set(frame.columns), budget) + _tool_suite(set(frame.columns))
+
+
+def _tool_suite(present: set[str]) -> list:
+    """Tool calling (validate.py's `tool_columns`): the `tools` schemas, and every call well formed, naming one of
+    them."""
+    import great_expectations.expectations as gxe
+
+    suite = []
+    if "tools_invalid" in present:
+        suite.append(gxe.ExpectColumnValuesToBeNull(column="tools_invalid", description=TOOL_SCHEMAS_WHAT))
+    for column in sorted(c.removesuffix("_bad_tool_calls") for c in present if c.endswith("_bad_tool_calls")):
+        suite.append(gxe.ExpectColumnValuesToBeBetween(
+            column=f"{column}_bad_tool_calls", min_value=0, max_value=0,
+            description=f"every tool call of `{column}` is {{type: function, function: {{name, arguments}}}}, "
+                        "arguments an object, naming a function of the row's `tools`"))
+    return suite
 
 
 def _explicit_suite(layout: Layout, present: set[str], budget: TokenBudget) -> list:
@@ -129,7 +153,8 @@ def _messages_suite(layout: Layout, present: set[str], budget: TokenBudget) -> l
         gxe.ExpectColumnValuesToMatchRegex(
             column="messages_roles", regex=CONVERSATION_ROLES,
             description="`messages`: an optional system message, then user and assistant turns alternating, ending "
-                        "with the assistant's answer"),
+                        "with the assistant's answer (an assistant's tool calls each followed by their tool "
+                        "messages)"),
         _no_blank_messages("messages"),
     ]
     if budget.tokenizer is not None:

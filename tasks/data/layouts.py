@@ -13,6 +13,7 @@ two of TRL's conversational layouts carry the prompt inside the conversation:
     prompts      explicit prompt   {prompt} (+ reference), text or conversational
 
 with `query` / `post` for prompt, `summary` / `response` for completion and `reference_response` for reference.
+Any layout may carry TRL's `tools` column beside its conversations (tool calling); it is kept as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlhf_core import chat
 
 SCHEMA = {"sft": ("prompt", "completion"), "prefs": ("prompt", "chosen", "rejected"), "prompts": ("prompt",)}
 OPTIONAL = {"sft": (), "prefs": (), "prompts": ("reference",)}  # kept when present
+TOOLS = "tools"  # TRL's column of the functions a row's conversation may call (JSON schemas): kept when present
 # Column names used by public TL;DR-style datasets, mapped to ours.
 ALIASES = {"query": "prompt", "post": "prompt", "summary": "completion", "response": "completion",
            "reference_response": "reference", "reference": "reference"}
@@ -89,5 +91,5 @@ def explicit_prompt(row: Mapping, kind: str) -> dict:
 
 def normalize(rows: Sequence[Mapping], kind: str) -> list[dict]:
     """Rows in our schema, as `prepare` writes them: our columns only (plus `reference` for prompts)."""
-    keep = SCHEMA[kind] + OPTIONAL[kind]
+    keep = SCHEMA[kind] + OPTIONAL[kind] + (TOOLS,)
     return [{k: row[k] for k in keep if k in row} for row in (explicit_prompt(r, kind) for r in rows)]

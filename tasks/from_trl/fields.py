@@ -54,6 +54,10 @@ GRPO_FIELDS = {  # TRL 1.16.0 GRPOConfig's own fields (learning_rate: its overri
     "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
     "max_tool_calling_iterations": None, "off_policy_mask_threshold": None, "use_bias_correction_kl": True,
 }
+# GRPOTrainer's own arguments for multi-turn rollouts (TRL 1.16 grpo_trainer.py: callables, not GRPOConfig fields; TRL's
+# grpo script has no flag for them). A recipe of a script that passes them names them as the script names its
+# reward_funcs: dotted import paths ('my_lib.tools.lookup'); ours are 'module:name' (rlhf_core/tools.py).
+GRPO_TRAINER_ARGS = {"tools": None, "environment_factory": None}
 MODEL_CONFIG = {
     "model_name_or_path": None, "model_revision": "main", "dtype": "float32", "attn_implementation": None,
     "use_peft": False, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": None,

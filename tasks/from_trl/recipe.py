@@ -40,6 +40,7 @@ from rlhf_core.config import TRL_GRPO_UNSUPPORTED, BatchPlan, GRPOOptions
 from tasks.from_trl.fields import (
     BOOKKEEPING,
     GRPO_FIELDS,
+    GRPO_TRAINER_ARGS,
     GRPO_TRL_VERSION,
     MODEL_CONFIG,
     PPO_FIELDS,
@@ -147,11 +148,12 @@ def convert(config: dict, *, algo: str | None = None, launch: Launch = Launch(),
     """The profile (sections of params.yaml) reproducing `config`, and what could not be reproduced."""
     algo = algo or detect_algo(config)
     trainer = TRAINER_FIELDS[algo]
-    known = {**TRAINING_ARGS, **MODEL_CONFIG, **SCRIPT_ARGS, **trainer}
+    known = {**TRAINING_ARGS, **MODEL_CONFIG, **SCRIPT_ARGS, **trainer, **(GRPO_TRAINER_ARGS if algo == "grpo" else {})}
     trl = {**known, **{k: v for k, v in config.items() if k in known}}  # TRL's view: its defaults, then the file
     b = _Builder(Conversion(algo=algo, profile={"base": {"profile": name}}), frozenset(config))
     _map_batches(b, trl, launch, train_rows)
     _map_objective(b, trl)
+    _map_tools(b, trl)
     _map_optimizer(b, trl, launch)
     _map_models_and_data(b, trl)
     _map_lora(b, trl)
@@ -400,6 +402,56 @@ def _map_grpo(b: _Builder, trl: dict) -> None:
         conv.differences.append(Difference(
             "old log-probs (num_iterations 1)", "the training forward's own, detached: the ratio is exactly 1",
             "the rollout's, read at sampling (fp32: equal to ~1e-6; under bf16 recomputed)", None))
+
+
+# -- tools and environments -------------------------------------------------------------------------------------
+
+def _map_tools(b: _Builder, trl: dict) -> None:
+    """GRPOTrainer's `tools` and `environment_factory` (TRL 1.16) and GRPOConfig's `max_tool_calling_iterations`
+    onto train.*; TRL's RLOO and PPO take no tools, so a recipe of theirs that names some is told what to set."""
+    conv, put = b.conv, b.put
+    if conv.algo != "grpo":
+        for key in sorted(GRPO_TRAINER_ARGS.keys() & b.given):
+            b.used.add(key)
+            ours = "ours refuses tools with ppo (its value model would run over the tool results)" \
+                if conv.algo == "ppo" else f"ours runs them with rloo too: set train.{key} yourself"
+            conv.unsupported.append(f"{key}: TRL's {conv.algo.upper()} trainer takes no tools (TRL "
+                                    f"{GRPO_TRL_VERSION}'s GRPOTrainer does); {ours}")
+        return
+    tools = trl["tools"] if isinstance(trl["tools"], list) else [] if trl["tools"] is None else [trl["tools"]]
+    tools = [_our_import_path(path, f"tools[{i}]") for i, path in enumerate(tools)]
+    factory = trl["environment_factory"] and _our_import_path(trl["environment_factory"], "environment_factory")
+    if not tools and not factory:
+        b.used.update(GRPO_TRAINER_ARGS)
+        b.ignore("max_tool_calling_iterations", "TRL reads it only with tools or an environment_factory")
+        return
+    put("train.tools", tools, "tools")
+    put("train.environment_factory", factory, "environment_factory")
+    put("train.max_tool_calling_iterations", trl["max_tool_calling_iterations"], "max_tool_calling_iterations")
+    put("train.tool_timeout", None, why="TRL's: a tool call has no time bound")
+    modules = sorted({path.partition(":")[0] for path in [*tools, factory] if path})
+    conv.todo.append(f"trust.tool_modules: params.yaml must allow {', '.join(modules)} (a profile cannot set trust; "
+                     "docs/security.md), else `rlhf run` refuses to import them")
+    conv.todo.append("train.tool_timeout: null as TRL's (a tool that hangs, hangs the rollout); set seconds to make "
+                     "such a call a failed one, returned to the model")
+    conv.differences.append(Difference(
+        "a malformed tool call", "one without its type or function name raises KeyError and stops the run "
+        "(grpo_trainer.py _tool_call_loop)",
+        "a failed call: {'error': ...} returned to the model, counted in tools/failure_frequency", None))
+    conv.differences.append(Difference(
+        "the chat template", "swapped for TRL's training template where it knows the model (Qwen3, ...)",
+        "the tokenizer's own, which must render tools, carry a response_template and be prefix-preserving "
+        "(checked when training starts)", None))
+
+
+def _our_import_path(value, key: str) -> str:
+    """'package.module:name' from TRL's dotted path ('package.module.name', as its grpo script names reward_funcs)
+    or from ours."""
+    module, _, name = value.rpartition(":" if ":" in value else ".") if isinstance(value, str) else ("", "", "")
+    if not module or not name.isidentifier():
+        raise RecipeError(f"{key}={value!r}: expected an import path, 'package.module.name' (as TRL's grpo script "
+                          "names reward_funcs) or 'package.module:name'")
+    return f"{module}:{name}"
 
 
 # -- optimizer, schedule and precision -----------------------------------------------------------------------------

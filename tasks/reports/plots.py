@@ -94,7 +94,12 @@ def plot_trace(trace: dict, target: Path) -> None:
         ax.set_yticks(range(len(names)), names, fontsize=7)
         labels = [_token_label(tok) for tok in rollout["tokens"]]
         ax.set_xticks(range(len(labels)), labels, rotation=60, fontsize=7)
+        for label, tok in zip(ax.get_xticklabels(), rollout["tokens"], strict=True):
+            if not tok.get("trained", True):  # tool results (and masked truncations): in the context, not the loss
+                label.set_color("0.6")
         extra = "".join(f", {k} {rollout[k]:.3g}" for k in ("baseline", "advantage") if k in rollout)
+        if "tool_calls" in rollout:
+            extra += f", {rollout['tool_calls']} tool call(s) in {len(rollout['turns'])} turns (grey: tool results)"
         kl = "" if rollout["kl_sum"] is None else (  # None: no reference (GRPO at beta 0)
             f", KL {rollout['kl_sum']:.3g}, score - KL penalty {rollout['rlhf_reward']:.3g}")
         ax.set_title(f"rollout {rollout['index']}: score {rollout['score']:.3g}{kl}{extra}", fontsize=8)

@@ -20,7 +20,7 @@ from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.sources import load_rows
 from rlhf_core.world.generator import build_world
 from rlhf_core.world.tokenizer import train_tokenizer
-from tasks.data.layouts import normalize
+from tasks.data.layouts import TOOLS, normalize
 from tasks.parameters.params import Params, PrepareParams
 from tasks.parameters.paths import SPLITS, Paths
 
@@ -59,7 +59,8 @@ def source_splits(cfg: PrepareParams, seed: int) -> dict[str, list[dict]]:
     sft = normalize(load_rows(cfg.sft), "sft")
     prefs = normalize(load_rows(cfg.preferences), "prefs")
     prompts = normalize(load_rows(cfg.prompts), "prompts") if cfg.prompts else \
-        [{"prompt": r["prompt"], "reference": r["completion"]} for r in sft]
+        [{"prompt": r["prompt"], "reference": r["completion"], **({TOOLS: r[TOOLS]} if TOOLS in r else {})}
+         for r in sft]
     rng = random.Random(seed)
     unique_prompts = dict.fromkeys(chat.key(r["prompt"]) for r in prompts)  # first-seen order: seeded draws
     held_out = {p for p in unique_prompts if rng.random() < cfg.eval_fraction}
@@ -67,7 +68,8 @@ def source_splits(cfg: PrepareParams, seed: int) -> dict[str, list[dict]]:
                           [r for r in rows if chat.key(r["prompt"]) in held_out])
     (sft_train, sft_eval), (prefs_train, prefs_eval), (prompts_train, prompts_eval) = map(split, (sft, prefs, prompts))
     return {"sft_train": sft_train, "sft_eval": sft_eval, "prefs_train": prefs_train, "prefs_eval": prefs_eval,
-            "prompts_train": [{"prompt": r["prompt"]} for r in prompts_train], "prompts_eval": prompts_eval}
+            "prompts_train": [{k: r[k] for k in ("prompt", TOOLS) if k in r} for r in prompts_train],
+            "prompts_eval": prompts_eval}
 
 
 def make_tokenizer(cfg: PrepareParams, splits: dict[str, list[dict]]):
@@ -77,7 +79,8 @@ def make_tokenizer(cfg: PrepareParams, splits: dict[str, list[dict]]):
         tokenizer = load_tokenizer(cfg.tokenizer)
     else:
         texts = [text for name in ("sft_train", "prefs_train") for row in splits[name] for value in row.values()
-                 for text in ([m["content"] for m in value] if chat.is_conversation(value) else [value])]
+                 for text in ([chat.message_text(m) for m in value] if chat.is_conversation(value) else [value])
+                 if isinstance(text, str)]  # a row's `tools` schemas are no training text
         tokenizer = train_tokenizer(texts, vocab_size=cfg.tokenizer_vocab_size,
                                     chat=cfg.source == "world" and cfg.world.conversational)
     if cfg.chat_template:

@@ -147,13 +147,17 @@ def build_trainer(params: Params, paths: Paths, runtime: Runtime | None = None,
     max_prompt = params.prepare.max_prompt_tokens  # prompts keep their end, where the TL;DR: cue is
     prompts = [ids[-max_prompt:] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     gold = gold_fn(params)  # the demo world's true reward, logged as monitor/gold beside the proxy's score
+    # with tools each episode's prompt is its row's messages rendered with the tools (rlhf_core/multi_turn.py)
+    tool_rows = dict(tokenizer=tokenizer, prompt_rows=read_jsonl(paths.split("prompts_train")),
+                     chat_template_kwargs=params.prepare.chat_template_kwargs) if cfg.uses_tools else {}
     trainer = RLTrainer(cfg, policy, scorer, prompts, pad_token_id=tokenizer.pad_token_id,
                         stop_token_id=tokenizer.eos_token_id, value_model=value,
                         # LoRA: no copy, the reference is the policy with its adapter off; GRPO with beta 0: none
                         ref_policy=None if lora or not cfg.uses_reference
                         else runtime.load_frozen(load_policy, paths.sft_model),
                         accelerator=runtime.accelerator,
-                        monitors={"gold": GoldScorer(gold, tokenizer)} if gold is not None else None, **hooks)
+                        monitors={"gold": GoldScorer(gold, tokenizer)} if gold is not None else None, **tool_rows,
+                        **hooks)
     return trainer, tokenizer
 
 

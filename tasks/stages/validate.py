@@ -7,6 +7,11 @@ train and eval splits, and files that cannot be read at all. The stage writes `r
 failed expectation with example rows) and `metrics/validate.json`, then fails when anything failed, so
 `dvc repro` never trains on data that failed validation.
 
+Tool-call data (TRL's tool calling: a `tools` column of function schemas, assistant messages with `tool_calls`,
+`tool` messages) is checked too: the schemas, every call well formed and naming one of them, the order of calls and
+results; its token lengths are those of the text rendered with the row's tools, by a chat template that must render
+tools at all (else one error naming the file, the row and what is expected).
+
 `rlhf validate FILE --kind K` checks a source file as it is, in whichever layout `prepare` reads it
 (tasks/data/layouts.py: our columns or their aliases, TRL's `messages`, TRL's implicit-prompt pairs), so a file
 passes here exactly when `prepare` can read it into rows that pass the stage's checks.
@@ -114,7 +119,25 @@ def to_frame(rows: list[dict], layout: Layout) -> tuple[pd.DataFrame, list[dict]
             frame[f"{name}_roles"] = [",".join(str(m["role"]) for m in p[i]) if p and p[0] else None for p in parts]
     if layout.name == EXPLICIT and conversational and len(columns) > 1:
         frame["formats"] = [_row_format([row.get(c) for c in columns]) for row in rows]
+    if chat.first_tool_use(rows) is not None:
+        frame = frame.join(tool_columns(rows, columns, frame.index))
     return frame, checks
+
+
+def tool_columns(rows: list[dict], columns: list[str], index: pd.Index) -> pd.DataFrame:
+    """Tool calling as plain columns GX checks (gx_suites `_tool_suite`): `tools_invalid`, the JSON text of a
+    `tools` value that is not a list of function schemas (null when it is, or when the row has none), and
+    `<column>_bad_tool_calls`, how many calls of each conversation are malformed or name no function of the row's
+    `tools`."""
+    tools = [chat.row_tools(row) for row in rows]
+    out = pd.DataFrame(index=index)
+    if any("tools" in row for row in rows):
+        out["tools_invalid"] = [None if t is None or chat.tool_names(t) is not None else json.dumps(t) for t in tools]
+    for column in columns:
+        out[f"{column}_bad_tool_calls"] = pd.Series(
+            [chat.bad_tool_calls(row.get(column), t) for row, t in zip(rows, tools, strict=True)], index=index,
+            dtype="Int64")
+    return out
 
 
 def _implicit_parts(row: dict) -> tuple[list, list, list] | None:
@@ -155,7 +178,8 @@ def rendered_texts(rows: list[dict], layout: Layout, budget: TokenBudget) -> tup
         rendered = {}
         if not layout.conversation_only or all(chat.is_conversation(ours.get(f)) for f in parts):
             try:
-                rendered = chat.render_row({f: ours.get(f) for f in parts}, budget.tokenizer, budget.template_kwargs)
+                rendered = chat.render_row({"tools": ours.get("tools"), **{f: ours.get(f) for f in parts}},
+                                           budget.tokenizer, budget.template_kwargs)
             except Exception as err:  # noqa: BLE001 - Jinja and templates raise anything; the report says what
                 failed.append((number, f"{type(err).__name__}: {err}"))
         for field, column in parts.items():
@@ -204,6 +228,8 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
                                 "cannot be rendered and measured in tokens. Use a chat model's tokenizer "
                                 "(--tokenizer), set prepare.chat_template in params.yaml to a Jinja file, or pass "
                                 "--skip-token-lengths")
+        if budget.tokenizer is not None:
+            _check_tool_template(path, rows, budget)
         frame, plain[name] = to_frame(rows, layout)
         frames[name] = frame
         if budget.tokenizer is not None:
@@ -226,6 +252,25 @@ def validate_files(datasets: Mapping[str, tuple[Path, str]], budget: TokenBudget
                          "max_completion_tokens": budget.max_completion_tokens},
         "datasets": list(reports.values()),
     }
+
+
+def _check_tool_template(path: Path, rows: list[dict], budget: TokenBudget) -> None:
+    """One error of the setup, not a failed check on every row: tool-call rows need a chat template that renders a
+    tool exchange (rlhf_core/tool_chat.py `check_tool_rendering`, TRL's `supports_tool_calling`)."""
+    from rlhf_core.tool_chat import check_tool_rendering
+
+    used = chat.first_tool_use(rows)
+    if used is None:
+        return
+    try:
+        check_tool_rendering(budget.tokenizer, budget.template_kwargs)
+    except ValueError as err:
+        row, column = used
+        raise ValidateError(f"{path}: row {row + 1} uses tools (`{column}`) but the tokenizer "
+                            f"{budget.tokenizer.name_or_path!r} cannot render them ({str(err).removeprefix('tools: ')})."
+                            " Expected a chat template that renders a row's `tools`, assistant `tool_calls` and "
+                            "`tool` messages (TRL's tool-calling format): use such a model's tokenizer (--tokenizer), "
+                            "set prepare.chat_template in params.yaml to one, or pass --skip-token-lengths") from None
 
 
 def _shown(path: Path, root: Path | None) -> str:
