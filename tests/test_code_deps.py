@@ -3,6 +3,7 @@ loads is one of them, and editing one makes `dvc status` report the stages that 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -27,11 +28,12 @@ print(json.dumps(sorted(getattr(m, "__file__", None) or "" for n, m in list(sys.
 """
 
 
-def loaded_files(stage: str) -> set[str]:
+@functools.cache  # a stage's imports do not change within a session; two tests read them (~50 s of imports)
+def loaded_files(stage: str) -> frozenset[str]:
     """Project source files a fresh interpreter has loaded after importing the stage the way `rlhf stage` does."""
     code = LOADED.format(runner=RUNNER, module=STAGES[stage], packages=PACKAGES)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return {Path(f).resolve().relative_to(ROOT).as_posix() for f in json.loads(out) if f}
+    return frozenset(Path(f).resolve().relative_to(ROOT).as_posix() for f in json.loads(out) if f)
 
 
 def test_dvc_yaml_code_deps_are_the_generated_ones():
