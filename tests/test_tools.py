@@ -325,9 +325,10 @@ def test_a_tool_that_overruns_its_timeout_is_a_failed_call(tool_module):
     m = tool_module
     box = Toolbox((m.hang, m.slow, m.add))
     start = time.perf_counter()
-    done = run_tool_calls(box, [_call("hang", seconds=5), _call("slow", seconds=5), _call("add", a=1, b=1)],
+    done = run_tool_calls(box, [_call("hang", seconds=120), _call("slow", seconds=120), _call("add", a=1, b=1)],
                           timeout=0.2)
-    assert time.perf_counter() - start < 2.0
+    # not waited for: a bound far below the tools' 120 s, not a timing figure (a loaded machine stays far under it)
+    assert time.perf_counter() - start < 60
     assert (done.calls, done.failures) == (3, 2)
     timed_out = str({"error": "tool call timed out after 0.2 s"})
     assert [msg["content"] for msg in done.messages] == [timed_out, "2", timed_out]
