@@ -81,11 +81,12 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
         score     the reward model's forward
         update    num_epochs x (forward + backward) of the policy (and PPO's value model)
 
-    A forward over B prompts of P and responses of R tokens runs B·(P + R) tokens, the LM head and the last layer's
-    MLP on the R + 1 last positions only (`rollout.reading_last`). With RLOO's k samples per prompt, each of the
-    n = B / k distinct prompts runs once and is read at its last position, then the R - 1 response tokens a log-prob
-    needs (R for a reward score) run on its copied KV cache (`rollout.shared_prompt_forward`). tests/test_bench.py
-    checks the sum against torch's own FLOP counter over a real update.
+    A forward over B prompts of P and responses of R tokens runs B·(P + R) tokens, the last layer's MLP on the R + 1
+    last positions only (`rollout.reading_last`) and the LM head on the R that predict a response token. With RLOO's
+    k samples per prompt, each of the n = B / k distinct prompts runs once and is read at its last position, then the
+    R - 1 response tokens a log-prob needs (R for a reward score) run on its copied KV cache
+    (`rollout.shared_prompt_forward`). tests/test_bench.py checks the sum against torch's own FLOP counter over a
+    real update.
     """
     cfg, model = trainer.cfg, trainer.unwrapped
     policy, value = model.policy, model.value
@@ -93,19 +94,19 @@ def update_flops(trainer: RLTrainer, prompt_length: int) -> float:
     B, P, R, k = trainer.plan.batch_size, prompt_length, cfg.response_length, cfg.samples_per_prompt
     n = B // k  # distinct prompts
 
-    def forward(model: nn.Module, tokens: int, read: int, lm_head: bool = False) -> int:
-        """`tokens` through the body, the LM head and the last layer's MLP on the `read` positions only."""
-        body = matmul_params(model) - (head if lm_head else 0)
+    def forward(model: nn.Module, tokens: int, read: int, logits: int = 0) -> int:
+        """`tokens` through the body, the last layer's MLP on the `read` positions only, the LM head on `logits`."""
+        body = matmul_params(model) - (head if logits else 0)
         last_mlp = last_layer_mlp(model)
         cut = 0 if last_mlp is None else matmul_params(last_mlp) * (tokens - read)
-        return 2 * (body * tokens - cut + (head * read if lm_head else 0))
+        return 2 * (body * tokens - cut + head * logits)
 
     def logprob_forward(shared: bool) -> int:
         if shared:
-            return forward(policy, n * P + B * (R - 1), n + B * (R - 1), lm_head=True)
-        return forward(policy, B * (P + R), B * (R + 1), lm_head=True)
+            return forward(policy, n * P + B * (R - 1), n + B * (R - 1), logits=n + B * (R - 1))
+        return forward(policy, B * (P + R), B * (R + 1), logits=B * R)
 
-    generation = forward(policy, n * P + B * (R - 1), n + B * (R - 1), lm_head=True)  # n = B when k is 1
+    generation = forward(policy, n * P + B * (R - 1), n + B * (R - 1), logits=n + B * (R - 1))  # n = B when k is 1
     policy_forward = logprob_forward(trainer.share_prompts)
     rollout_policy = 0 if sampling_logprobs_exact(trainer.accelerator, policy) else policy_forward
     reference_forward = logprob_forward(k > 1) if cfg.uses_reference else 0  # shares prompts that are shared

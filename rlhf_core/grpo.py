@@ -26,10 +26,6 @@ from rlhf_core.config import RLConfig
 from rlhf_core.rollout import PolicyOutput, Rollout
 
 USES_VALUE_MODEL = False
-FUSED_LOGPROBS = True
-"""The training forward reads the log-probs and entropy off the raw logits in one fused pass with a one-pass
-backward (`ops.token_logprobs_and_entropy`): the same figures to rounding, ~10 fewer full-vocabulary passes per
-micro-batch than log-softmax, entropy and their backward over the joined, temperature-scaled logits."""
 STD_EPS = 1e-4  # TRL's: the group std of equal rewards is 0
 
 

@@ -165,7 +165,7 @@ def token_logprobs_and_entropy(pieces: Sequence[torch.Tensor], index: torch.Tens
     gradient; None without ``with_entropy``), from raw logit ``pieces`` (B, T_i, V) that cover T, e.g. a
     shared prompt's last position and the rest. Equal to rounding to ``selective_log_softmax`` +
     ``entropy_from_logits`` of the concatenated scaled logits, in one fused pass with a one-pass backward:
-    GRPO's training forward (PPO and RLOO keep those two). bf16 / fp16 pieces are upcast to fp32; the logits
+    the training forward of every algorithm and the rollout's log-prob forwards. bf16 / fp16 pieces are upcast to fp32; the logits
     must be finite. Derivation and memory: docs/trainer.md#token_logprobs_and_entropy
     """
     widths = [piece.shape[1] for piece in pieces]

@@ -96,8 +96,7 @@ class RLTrainer:
             logger.warning("top_k/top_p/min_p/repetition_penalty: completions are sampled from a truncated "
                            "distribution while the loss uses the policy's full one, so the importance ratio is "
                            "off-policy by the truncation (as in TRL); leave them at their defaults for exact PPO")
-        model = PolicyAndValue(policy, None if not self.algo.USES_VALUE_MODEL else value_model,
-                               fused_logprobs=getattr(self.algo, "FUSED_LOGPROBS", False))
+        model = PolicyAndValue(policy, None if not self.algo.USES_VALUE_MODEL else value_model)
         # the k samples of a prompt go through its tokens once, in the rollout and in training alike (their numbers
         # must agree); gradient checkpointing drops the KV cache this needs
         self.share_prompts = cfg.samples_per_prompt > 1 and not gradient_checkpointing(policy)

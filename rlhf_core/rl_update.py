@@ -26,11 +26,12 @@ from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed
 class PolicyAndValue(nn.Module):
     """Policy (and PPO's value model) as one module: one optimizer and one DDP/DeepSpeed wrapper own both.
 
-    `fused_logprobs` (GRPO): the log-probs and entropy from the raw logit pieces in one fused pass with a one-pass
-    backward (`ops.token_logprobs_and_entropy`); PPO and RLOO keep `selective_log_softmax` and
-    `entropy_from_logits` over the joined, scaled logits (the same figures to rounding)."""
+    `fused_logprobs` (on for every algorithm): the log-probs and entropy from the raw logit pieces in one fused pass
+    with a one-pass backward (`ops.token_logprobs_and_entropy`), ~10 fewer full-vocabulary passes per micro-batch.
+    Off: `selective_log_softmax` and `entropy_from_logits` over the joined, temperature-scaled logits, the plain
+    computation the fused pass is checked against (tests/test_speed_paths.py), the same figures to rounding."""
 
-    def __init__(self, policy: nn.Module, value: nn.Module | None = None, *, fused_logprobs: bool = False):
+    def __init__(self, policy: nn.Module, value: nn.Module | None = None, *, fused_logprobs: bool = True):
         super().__init__()
         self.policy = policy
         self.value = value

@@ -133,11 +133,13 @@ def response_logit_pieces(model: nn.Module, batch: Rollout | tuple[Tensor, Tenso
         return [first_logits] if rest is None else [first_logits, rest.logits]
     input_ids = torch.cat([queries, responses], dim=1)  # (B, P+R)
     mask = torch.cat([query_mask, response_mask], dim=1)
-    # the LM head on the R + 1 last positions only: the prompt's logits would be a (B, P, V) matmul for nothing
+    P = queries.shape[1]
+    # the LM head on the R positions that predict a response token only, [P-1, P+R-1): not the prompt's (a (B, P, V)
+    # matmul for nothing), nor the last one, whose (B, 1, V) slice off would cost the backward a zeroed (B, R+1, V)
+    read = torch.arange(P - 1, P + R - 1, device=input_ids.device)  # (R,)
     with reading_last(model, R + 1):
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
-                       logits_to_keep=R + 1).logits  # (B, R + 1, V)
-    return [logits[:, :-1]]  # (B, R, V)
+        return [model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask),
+                      logits_to_keep=read).logits]  # (B, R, V)
 
 
 def distinct_prompts(queries: Tensor, query_mask: Tensor) -> tuple[Tensor, Tensor] | None:

@@ -19,14 +19,16 @@ from rlhf_core.batching import pad
 from rlhf_core.config import RLConfig
 from rlhf_core.decode import TokenChoice, decode, graphs_available
 from rlhf_core.multi_turn import Episode, ToolRollouts, completion_tensors
-from rlhf_core.rollout import Rollout, response_logits, stop_mask, token_values
+from rlhf_core.rollout import Rollout, response_logit_pieces, stop_mask, token_values
 
 
 def logprobs_of(policy: nn.Module, parts: tuple[Tensor, Tensor, Tensor, Tensor], temperature: float, *,
                 share_prompts: bool = False) -> Tensor:
-    """(b, R) log-probs of the responses under `policy` at `temperature`, 0 on padding."""
-    logits = response_logits(policy, parts, temperature, share_prompts=share_prompts)  # (b, R, V)
-    return ops.selective_log_softmax(logits, parts[2]) * parts[3]
+    """(b, R) log-probs of the responses under `policy` at `temperature`, 0 on padding: through the training
+    forward's own op (`ops.token_logprobs_and_entropy`), so that under bf16 the first ratio of an update is exactly 1."""
+    pieces = response_logit_pieces(policy, parts, share_prompts=share_prompts)
+    logprobs, _ = ops.token_logprobs_and_entropy(pieces, parts[2], temperature, with_entropy=False)
+    return logprobs * parts[3]
 
 
 def sampling_logprobs_exact(accelerator: Accelerator, policy: nn.Module) -> bool:

@@ -317,8 +317,8 @@ def _ours(algo, cfg: RLConfig, batch: Rollout, policy) -> dict:
     module = {"grpo": grpo, "rloo": rloo}[algo]
     batch, _ = module.compute_advantages(batch, cfg)
     policy.zero_grad()
-    # the training forward the trainer builds for the algorithm (GRPO: the fused log-probs and entropy)
-    out = PolicyAndValue(policy, fused_logprobs=getattr(module, "FUSED_LOGPROBS", False))(
+    # the training forward the trainer builds (the fused log-probs and entropy)
+    out = PolicyAndValue(policy)(
         batch.queries, batch.query_mask, batch.responses, batch.response_mask, TEMPERATURE, share_prompts=True,
         with_entropy=True)
     loss, stats = module.loss(out, batch, cfg)
