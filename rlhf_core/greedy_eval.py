@@ -7,9 +7,10 @@ The KL column is the exact per-token KL(policy || reference) over the vocabulary
 policy's own greedy completion, at the training temperature.
 
 With tools (a `ToolRollouts`), each completion is a greedy multi-turn rollout (rlhf_core/multi_turn.py: the calls the
-model writes run, their results appended as tokens), scored as training scores it (the whole completion, tool results
-included); the KL and the length count the policy's own tokens only, and the report adds the tool-call rate (calls
-per completion, TRL's tools/call_frequency) and the failure rate (failed calls per call, tools/failure_frequency).
+model writes run, their results appended as tokens), scored as training scores it: the reward model reads the whole
+completion, tool results included; the gold reward what the policy wrote, tool results left out. The KL and the length
+count the policy's own tokens only, and the report adds the tool-call rate (calls per completion, TRL's
+tools/call_frequency) and the failure rate (failed calls per call, tools/failure_frequency).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from rlhf_core.batching import pad, token_ids
 from rlhf_core.decode import TokenChoice, decode
 from rlhf_core.multi_turn import ToolRollouts, completion_tensors
 from rlhf_core.rollout import Rollout, response_logits, stop_mask
-from rlhf_core.scoring import GoldFn, Scorer
+from rlhf_core.scoring import GoldFn, Scorer, decode_texts
 
 
 @torch.no_grad()
@@ -82,8 +83,7 @@ def greedy_tool_rollout(policy: nn.Module, tools: ToolRollouts, prompt_indices: 
 
 def decode_responses(tokenizer, batch: Rollout) -> list[str]:
     """The completions' text, stop token and padding removed."""
-    return tokenizer.batch_decode([r[m].tolist() for r, m in zip(batch.responses, batch.response_mask, strict=True)],
-                                  skip_special_tokens=True)
+    return decode_texts(tokenizer, batch)[1]
 
 
 def _pad_and_cat(parts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -168,8 +168,9 @@ def evaluate(policy: nn.Module, reference: nn.Module, tokenizer, prompts: Sequen
     gold_scores = {}
     if gold is not None:
         for name, batch in (("policy", policy_batch), ("ref", ref_batch)):
+            written = decode_texts(tokenizer, batch, written_only=True)[1]  # as the gold monitor reads it in training
             gold_scores[name] = torch.tensor([gold(p, c, bool(e)) for p, c, e in
-                                              zip(prompts, texts[name], batch.contains_stop, strict=True)])
+                                              zip(prompts, written, batch.contains_stop, strict=True)])
         summary["win_rate_gold"] = _win_rate(gold_scores["policy"], gold_scores["ref"])
     for name, batch in (("policy", policy_batch), ("ref", ref_batch)):
         prefix = "" if name == "policy" else "ref_"

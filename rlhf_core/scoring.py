@@ -88,12 +88,15 @@ class RewardModelScorer:
         return torch.cat(out).to(batch.queries.device)
 
 
-def decode_texts(tokenizer, batch: Rollout) -> tuple[list[str], list[str]]:
-    """The prompts and completions of a rollout as text (padding and special tokens dropped)."""
+def decode_texts(tokenizer, batch: Rollout, written_only: bool = False) -> tuple[list[str], list[str]]:
+    """The prompts and completions of a rollout as text (padding and special tokens dropped); `written_only`: the
+    completions as the policy wrote them, tool results left out (multi-turn rollouts: `Rollout.tool_mask`)."""
     prompts = tokenizer.batch_decode(
         [q[m].tolist() for q, m in zip(batch.queries, batch.query_mask, strict=True)], skip_special_tokens=True)
+    kept = batch.response_mask & batch.tool_mask if written_only and batch.tool_mask is not None \
+        else batch.response_mask
     completions = tokenizer.batch_decode(
-        [r[m].tolist() for r, m in zip(batch.responses, batch.response_mask, strict=True)], skip_special_tokens=True)
+        [r[m].tolist() for r, m in zip(batch.responses, kept, strict=True)], skip_special_tokens=True)
     return prompts, completions
 
 
@@ -114,14 +117,15 @@ class FunctionScorer:
 
 class GoldScorer:
     """A world's gold reward of each completion: a monitor the trainer logs (monitor/<name>), never a reward,
-    so reward hacking shows during training as the proxy score rises while the gold one falls."""
+    so reward hacking shows during training as the proxy score rises while the gold one falls. It reads what the
+    policy wrote: a tool's result is not the policy's summary (the reward model and reward functions read it all)."""
 
     def __init__(self, gold: GoldFn, tokenizer):
         self.gold = gold
         self.tokenizer = tokenizer
 
     def __call__(self, batch: Rollout) -> Tensor:
-        prompts, completions = decode_texts(self.tokenizer, batch)
+        prompts, completions = decode_texts(self.tokenizer, batch, written_only=True)
         stopped = batch.contains_stop.tolist()
         return torch.tensor([self.gold(p, c, e) for p, c, e in zip(prompts, completions, stopped, strict=True)],
                             dtype=torch.float32, device=batch.queries.device)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from test_flow import BIN, base_env, pipeline_repo  # noqa: F401 (a fixture)
 from test_lora import GPU_GUIDE_COMMANDS as LORA_COMMANDS  # the LoRA commands, mapped beside their tests
 
@@ -55,6 +56,47 @@ def test_the_whole_flow_under_the_cpu_zero3_profile(pipeline_repo):  # noqa: F81
         params = run.data.params
         assert (params["num_processes"], params["distributed_type"]) == ("2", "DEEPSPEED"), (stage, params)
         assert params["runtime.accelerate_config"] == "infra/accelerate/deepspeed_zero3.yaml"
+
+
+# The tool demo shrunk for a test: enough SFT steps (160) for the tiny policy to write the call format (a call that
+# parses is all train needs to run one; 96 steps of a 1-layer model wrote none), two GRPO updates, a few prompts.
+TOOL_DEMO_SMALL = [
+    "prepare.world.sft_train=512", "prepare.world.sft_eval=16", "prepare.world.prefs_train=128",
+    "prepare.world.prefs_eval=32", "prepare.world.prompts_train=32", "prepare.world.prompts_eval=16",
+    "sft.epochs=5", "sft.tiny.num_layers=2", "sft.tiny.hidden_size=64", "sft.tiny.intermediate_size=256",
+    "sft.eval_max_new_tokens=8", "inspect.num_pairs=32", "inspect.num_prompts=16", "train.total_episodes=128",
+    "train.checkpoint_every=1", "train.trace_every=1", "evaluate.num_prompts=16",
+]
+
+
+@pytest.mark.slow
+def test_the_whole_flow_under_the_tool_demo_profile(pipeline_repo):  # noqa: F811
+    """`rlhf run --profile tool-demo` (Prefect over DVC, shrunk by --set): the world's tool task through every stage.
+    The SFT data teaches the call (TRL's tool-call layout, a `tools` column), train's GRPO rollouts run lookup_case
+    (tools/call_frequency > 0), the trace shows the tool's turn, evaluate reports the tool rates of both policies (the
+    SFT policy's greedy rollouts call it), and a version is registered."""
+    repo = with_profiles(pipeline_repo)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    assert params["trust"]["tool_modules"] == ["rlhf_core.world.tools"], "as committed: a profile cannot set trust"
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "profiles"], cwd=repo, check=True)
+    overrides = [x for item in TOOL_DEMO_SMALL for x in ("--set", item)]
+    proc = subprocess.run([BIN / "rlhf", "run", "--profile", "tool-demo", *overrides], cwd=repo,
+                          env=base_env(COLUMNS="200", OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert "rlhf-policy v1" in proc.stdout, proc.stdout[-3000:]
+    sft_row = json.loads((repo / "data" / "sft_train.jsonl").open().readline())
+    assert sft_row["tools"][0]["function"]["name"] == "lookup_case"
+    trained = json.loads((repo / "metrics" / "train.json").read_text())
+    assert trained["tools/call_frequency"] > 0 and 0 <= trained["tools/failure_frequency"] <= 1, trained
+    traces = sorted((repo / "reports" / "trace").glob("update-*.json"))
+    roles = {turn["source"] for t in traces for r in json.loads(t.read_text())["rollouts"] for turn in r["turns"]}
+    assert traces and "tool" in roles, roles
+    evaluation = json.loads((repo / "metrics" / "eval.json").read_text())
+    assert {"tool_call_rate", "tool_failure_rate", "ref_tool_call_rate", "ref_tool_failure_rate",
+            "win_rate_gold"} <= evaluation.keys(), evaluation
+    assert evaluation["ref_tool_call_rate"] > 0, evaluation
 
 
 # ------------------------------------------------------------------ docs/gpus.md, "Training on GPUs"

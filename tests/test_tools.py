@@ -768,7 +768,7 @@ def test_greedy_evaluation_runs_the_tools_and_reports_their_rates(tok, tool_modu
     """evaluate's greedy rollout is multi-turn with tools: the calls the model writes run (here forced: a call of add,
     one of broken, none), their results join the completion, and the report has TRL's tool figures, calls per
     completion and failures per call, for the policy and the reference, next to the win rates; KL and length count
-    the model's tokens only."""
+    the model's tokens only, and the gold reward reads the model's words only (the table shows the tool's result)."""
     from rlhf_core.greedy_eval import evaluate
 
     rows = [{"prompt": [{"role": "user", "content": q}]} for q in QUESTIONS[:3]]
@@ -777,9 +777,11 @@ def test_greedy_evaluation_runs_the_tools_and_reports_their_rates(tok, tool_modu
     tools = ToolRollouts(cfg, tok, rows)
     scripts = [ids(tok, call("add", a=2, b=3)), ids(tok, call("broken", x="x")), ids(tok, "the answer is five")]
     tools.chooser = lambda choice, keys, keep: Replay(scripts, then=Sampler(choice, keys, keep))
+    gold_read = []  # what the gold reward reads: the policy's own words, not the tool's result
     report = evaluate(init_causal_lm(model_config, seed=0), init_causal_lm(model_config, seed=1), tok,
                       ["unused"] * 3, scorer=lambda batch: torch.zeros(len(batch)), response_length=40,
-                      temperature=1.0, gold=lambda prompt, completion, eos: float("5" in completion), tools=tools)
+                      temperature=1.0, gold=lambda prompt, completion, eos: gold_read.append(completion) or 1.0,
+                      tools=tools)
     summary, table = report.summary, report.rows
     for prefix in ("", "ref_"):
         assert summary[f"{prefix}tool_call_rate"] == pytest.approx(2 / 3)
@@ -788,6 +790,9 @@ def test_greedy_evaluation_runs_the_tools_and_reports_their_rates(tok, tool_modu
     assert table[0]["completion"].startswith(call("add", a=2, b=3) + "5"), "the tool's result follows its call"
     assert '"name": "add"' in table[0]["prompt"], "the prompt as rendered with its tools"
     assert table[0]["score_gold"] == 1.0 and {"win_rate_gold", "win_rate_rm", "mean_kl"} <= summary.keys()
+    assert gold_read[0].startswith(call("add", a=2, b=3)) and not gold_read[0].startswith(call("add", a=2, b=3) + "5")
+    assert table[0]["completion"].removeprefix(call("add", a=2, b=3) + "5") == gold_read[0].removeprefix(
+        call("add", a=2, b=3)), "the gold reward reads the completion without the tool's result"
     with_results = sum(len(ids(tok, r["completion"], eos=False)) for r in table) / 3
     assert summary["mean_length"] < with_results, "the tool results are not the policy's tokens"
 

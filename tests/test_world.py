@@ -277,3 +277,116 @@ def test_tokenizer_save_and_load(tokenizer, tmp_path):
     assert loaded.get_vocab() == tokenizer.get_vocab()
     assert loaded(PROMPT + REFERENCE).input_ids == tokenizer(PROMPT + REFERENCE).input_ids
     assert loaded.decode(loaded(PROMPT).input_ids) == PROMPT
+
+
+# ---- the tool task: the outcome is in a case file only `lookup_case` reads
+
+TOOL_WORLD = WorldConfig(sft_train=400, sft_eval=16, prefs_train=400, prefs_eval=16, prompts_train=16, prompts_eval=16,
+                         tool_task=True)
+
+
+@pytest.fixture(scope="module")
+def tool_world():
+    return build_world(seed=0, config=TOOL_WORLD)
+
+
+def post_text(row: dict) -> str:
+    return row["prompt"][-1]["content"]
+
+
+def test_a_tool_task_post_names_a_case_file_instead_of_its_outcome():
+    """The post never says its outcome; the file it names holds it, `lookup_case` reads it, and the gold reward's
+    facts, parsed from the text alone, are still the post's (the directory is the world's, fixed)."""
+    from rlhf_core.world.tools import CASE_ID_RE, case_outcome, lookup_case
+
+    rng = random.Random(0)
+    for _ in range(500):
+        post = sample_post(rng, tool_task=True)
+        outcome = next(f.phrase for f in post.facts if f.kind == "outcome")
+        assert outcome not in post.prompt and CASE_ID_RE.search(post.prompt)[1] == post.case_id
+        assert case_outcome(post.case_id) == outcome and lookup_case(post.case_id) == f" {outcome}"
+        assert parse_facts(post.prompt) == post.facts, post.prompt
+        reference = reference_draft(post, rng).render()
+        assert gold_breakdown(post.prompt, reference).total == 1.0
+        unread = gold_breakdown(post.prompt, reference.replace(outcome, ""))
+        assert unread.coverage < 1.0, "without the file, a summary misses the outcome"
+    assert lookup_case("12") == " no case file 12" and case_outcome("0999") is None
+
+
+def test_the_tool_task_rows_teach_the_call_in_trl_tool_calling_layout(tool_world):
+    """Every row is a conversation with a `tools` column (lookup_case's schema, as the template renders the function
+    itself); an SFT completion calls lookup_case on its post's file, gets the file as a tool message, then
+    summarizes; a fifth of the demonstrators skip the lookup and leave the outcome out."""
+    from transformers.utils import get_json_schema
+
+    from rlhf_core import chat
+    from rlhf_core.world.tools import CASE_ID_RE, lookup_case, tool_schemas
+
+    assert tool_schemas() == [get_json_schema(lookup_case)]
+    for split, rows in tool_world.items():
+        assert all(chat.is_conversation(r["prompt"]) and r["tools"] == tool_schemas() for r in rows), split
+    called = 0
+    for row in tool_world["sft_train"]:
+        messages, case_id = row["completion"], CASE_ID_RE.search(post_text(row))[1]
+        if len(messages) == 3:
+            called += 1
+            [call] = messages[0]["tool_calls"]
+            assert call == {"type": "function", "function": {"name": "lookup_case", "arguments": {"case_id": case_id}}}
+            assert messages[1] == {"role": "tool", "name": "lookup_case", "content": lookup_case(case_id)}
+        outcome = next(f.phrase for f in parse_facts(post_text(row)) if f.kind == "outcome")
+        assert chat.roles(messages[-1:]) == "assistant"
+        assert len(messages) == 3 or outcome not in messages[-1]["content"]
+    assert called / len(tool_world["sft_train"]) == pytest.approx(0.8, abs=0.05)
+    chosen_better = sum(gold_reward(post_text(r), r["chosen"][-1]["content"])
+                        > gold_reward(post_text(r), r["rejected"][-1]["content"]) for r in tool_world["prefs_train"])
+    assert chosen_better / len(tool_world["prefs_train"]) == pytest.approx(1 - TOOL_WORLD.label_noise, abs=0.04)
+
+
+def test_the_tool_task_leaves_the_default_world_as_it_was(world):
+    """Same seed, tool task off: the rows are those of a world built without knowing the task (and the tool world's
+    own rows differ)."""
+    assert build_world(seed=0, config=dataclasses.replace(SMALL, tool_task=False)) == world
+    assert all(r["prompt"].startswith("SUBREDDIT: r/") for r in world["prompts_eval"])
+
+
+def test_gold_scores_the_answer_after_the_last_tool_call():
+    """The file's words are the tool's, not the model's: a completion is scored on what follows its last call, in the
+    text the chat template renders (role headers in it) and in what the policy wrote (tool results left out)."""
+    from rlhf_core.world.gold import final_answer
+
+    call = '<tool_call>{"name": "lookup_case", "arguments": {"case_id": "4811"}}</tool_call>'
+    rendered = f"{call}[EOS]<|tool|> i froze my credit<|assistant|>{REFERENCE}"
+    assert final_answer(rendered) == final_answer(call + REFERENCE) == REFERENCE
+    assert final_answer(REFERENCE) == REFERENCE
+    assert gold_reward(PROMPT, rendered) == gold_reward(PROMPT, call + REFERENCE) == 1.0
+    assert gold_breakdown(PROMPT, f"{call}[EOS]<|tool|> i froze my credit<|assistant|> my sister").coverage < 0.5
+
+
+def test_the_gold_monitor_leaves_tool_results_out(tokenizer):
+    """GoldScorer on a multi-turn rollout: the tool's result (tool mask 0) is not read, so the file's words give no
+    coverage; the reward-model side (`decode_texts` as it is) still reads them."""
+    from rlhf_core.rollout import Rollout
+    from rlhf_core.scoring import GoldScorer, decode_texts
+
+    prompt = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    result = tokenizer(" i froze my credit", add_special_tokens=False)["input_ids"]
+    unread = " my sister spent my college fund, should i cut them off?"  # the answer, without the file's outcome
+    answer = tokenizer(unread, add_special_tokens=False)["input_ids"]
+    responses = torch.tensor([result + answer + [tokenizer.eos_token_id]])  # (1, R): the result, then the answer
+    tool_mask = torch.tensor([[False] * len(result) + [True] * (len(answer) + 1)])
+    batch = Rollout(queries=torch.tensor([prompt]), query_mask=torch.ones(1, len(prompt), dtype=torch.bool),
+                    responses=responses, response_mask=torch.ones_like(responses, dtype=torch.bool),
+                    logprobs=torch.zeros(responses.shape), ref_logprobs=torch.zeros(responses.shape),
+                    contains_stop=torch.tensor([True]), tool_mask=tool_mask)
+    [score] = GoldScorer(gold_reward, tokenizer)(batch).tolist()
+    assert score == pytest.approx(gold_reward(PROMPT, unread))
+    assert score < gold_reward(PROMPT, REFERENCE)
+    assert "i froze my credit" in decode_texts(tokenizer, batch)[1][0]
+
+
+def test_every_tool_task_answer_says_something(tool_world):
+    """An answer that skips the lookup after a dropped fact still states something (validation refuses blank
+    messages)."""
+    answers = [m for split in ("sft_train", "prefs_train") for row in tool_world[split]
+               for column in ("completion", "chosen", "rejected") if column in row for m in row[column]]
+    assert all(m.get("tool_calls") or m["content"].strip() for m in answers)

@@ -39,6 +39,12 @@ class WorldConfig:
     """rows in TRL's conversational format: the prompt as a system and a user message (the post), every summary
     as an assistant message; the world tokenizer then carries a chat template. The posts and the gold reward are
     the same as in the plain world."""
+    tool_task: bool = False
+    """the task that needs a tool: each post names a case file instead of telling its outcome, and only the
+    `lookup_case` tool reads it (rlhf_core/world/tools.py), so a summary states the outcome only after looking it up.
+    Rows are conversations (whatever `conversational` says) with TRL's `tools` column; SFT completions call the tool
+    (all but SKIP_LOOKUP_PROBABILITY of them) and the tokenizer carries the tool chat template. Train with
+    train.tools [rlhf_core.world.tools:lookup_case] (profiles/tool-demo.yaml)."""
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

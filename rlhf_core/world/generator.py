@@ -16,6 +16,11 @@ phrase match in the POST body, and the incident's subject is the word between ``
 
 The gold reward of a summary is in rlhf_core/world/gold.py. Datasets are lists of plain dicts in the formats of
 the real datasets, so the same loaders read both.
+
+The tool task (`WorldConfig.tool_task`): a post names a case file instead of telling its outcome, and only the
+`lookup_case` tool reads the file (rlhf_core/world/tools.py). Rows are conversations with TRL's `tools` column; an
+answer is the call, the tool's message and the summary (`tool_answer`), or, for the demonstrators and candidates that
+skip the lookup (SKIP_LOOKUP_PROBABILITY), the summary alone without the outcome it could not know.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from dataclasses import dataclass
 
 from rlhf_core.world.config import WorldConfig
 from rlhf_core.world.gold import gold_reward
+from rlhf_core.world.tools import draw_case_id, lookup_case, tool_schemas
 from rlhf_core.world.vocabulary import (
     ASK_SENTENCES,
+    CASE_SENTENCES,
     DAYS,
     DISTRACTOR_RELATIONS,
     DISTRACTORS,
@@ -48,6 +55,7 @@ from rlhf_core.world.vocabulary import (
 )
 
 ASK_PROBABILITY = 0.6
+SKIP_LOOKUP_PROBABILITY = 0.2  # tool task: SFT demonstrations and preference candidates that answer unlooked-up
 SYSTEM_PROMPT = "Summarize the post in one line."  # the conversational variant's system message
 
 
@@ -60,6 +68,7 @@ class Post:
     body: tuple[str, ...]  # sentences: the fact sentences in order, distractors interleaved
     facts: tuple[Fact, ...]
     distractors: tuple[str, ...]  # distractor clauses as a summary would quote them
+    case_id: str | None = None  # the tool task: the case file holding the outcome, which the post does not tell
 
     @property
     def prompt(self) -> str:
@@ -74,8 +83,9 @@ def _fill(template: str, rng: random.Random, **slots: str) -> str:
     return template.format(**{f: slots[f] if f in slots else rng.choice(pools[f]) for f in fields})
 
 
-def sample_post(rng: random.Random) -> Post:
-    """Draw one post: 2-3 facts about one relation, 3-5 distractors about other people, shuffled in."""
+def sample_post(rng: random.Random, tool_task: bool = False) -> Post:
+    """Draw one post: 2-3 facts about one relation, 3-5 distractors about other people, shuffled in. With
+    `tool_task`, the outcome is not told: the post's last sentence names the case file that holds it."""
     domain = rng.choice(DOMAINS)
     relation = rng.choice(domain.relations)
     facts = [Fact("incident", f"my {relation} {rng.choice(domain.events)}"),
@@ -83,17 +93,21 @@ def sample_post(rng: random.Random) -> Post:
     if rng.random() < ASK_PROBABILITY:
         facts.append(Fact("ask", rng.choice(domain.asks)))
     templates = {"incident": INCIDENT_SENTENCES, "outcome": OUTCOME_SENTENCES, "ask": ASK_SENTENCES}
-    fact_sentences = [_fill(rng.choice(templates[f.kind]), rng, fact=f.phrase) for f in facts]
+    case_id = draw_case_id(facts[1].phrase, rng) if tool_task else None
+    told = [f for f in facts if case_id is None or f.kind != "outcome"]  # the tool task's outcome is in the file
+    fact_sentences = [_fill(rng.choice(templates[f.kind]), rng, fact=f.phrase) for f in told]
     others = [r for r in DISTRACTOR_RELATIONS if r != relation]
     distractors = [_fill(rng.choice(DISTRACTORS), rng, relation=rng.choice(others))
                    for _ in range(rng.randint(3, 5))]
     # Facts keep their order (incident, outcome, ask); distractors fill the remaining slots.
-    slots = set(rng.sample(range(len(facts) + len(distractors)), len(facts)))
+    slots = set(rng.sample(range(len(told) + len(distractors)), len(told)))
     fact_iter, distractor_iter = iter(fact_sentences), iter(d + "." for d in distractors)
     body = tuple(next(fact_iter) if i in slots else next(distractor_iter)
-                 for i in range(len(facts) + len(distractors)))
+                 for i in range(len(told) + len(distractors)))
+    if case_id is not None:  # last, where a post would point at more: the number sits just before the answer
+        body += (_fill(rng.choice(CASE_SENTENCES), rng, case=case_id),)
     title = rng.choice(TITLES).format(relation=relation)
-    return Post(domain.subreddit, title, body, tuple(facts), tuple(distractors))
+    return Post(domain.subreddit, title, body, tuple(facts), tuple(distractors), case_id)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -134,9 +148,10 @@ def swap_fact(post: Post, draft: Draft, rng: random.Random) -> Draft:
     person (``my brother`` for ``my sister``), event, outcome or ask, or an ask the poster never asked."""
     domain = next(d for d in DOMAINS if d.subreddit == post.subreddit)
     said = f" {' '.join(words(post.prompt))} "
+    true = {f.phrase for f in post.facts}  # a tool-task post does not say its outcome: still no misstatement
 
     def unsaid(pool: tuple[str, ...]) -> list[str]:
-        return [p for p in pool if f" {p} " not in said]
+        return [p for p in pool if f" {p} " not in said and p not in true]
 
     kind = rng.choice(("incident", "outcome", "ask"))
     if kind == "ask":
@@ -209,11 +224,11 @@ def candidate_draft(post: Post, rng: random.Random) -> Draft:
 SPLITS = ("prompts_eval", "sft_eval", "prefs_eval", "prompts_train", "sft_train", "prefs_train")
 
 
-def _fresh_post(rng: random.Random, seen: set[str]) -> Post:
+def _fresh_post(rng: random.Random, seen: set[str], tool_task: bool = False) -> Post:
     """A post whose prompt no split has used yet, so that splits share no prompt."""
-    post = sample_post(rng)
+    post = sample_post(rng, tool_task)
     while post.prompt in seen:
-        post = sample_post(rng)
+        post = sample_post(rng, tool_task)
     seen.add(post.prompt)
     return post
 
@@ -250,23 +265,93 @@ _ROW_BUILDERS = {"prompts_eval": _eval_row, "sft_eval": _sft_row, "prefs_eval": 
                  "prompts_train": _prompt_row, "sft_train": _sft_row, "prefs_train": _preference_row}
 
 
+# The tool task's rows: conversations with TRL's `tools` column, answers that look the outcome up.
+
+
+def lookup_exchange(post: Post) -> list[dict]:
+    """The assistant's call of lookup_case on the post's case file, and the tool's message with the file."""
+    call = {"type": "function", "function": {"name": "lookup_case", "arguments": {"case_id": post.case_id}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "lookup_case", "content": lookup_case(post.case_id)}]
+
+
+def without_outcome(post: Post, draft: Draft) -> Draft:
+    """The draft of someone who did not read the case file: the outcome is not stated (the incident is, when nothing
+    else would be left)."""
+    outcome = next(f.phrase for f in post.facts if f.kind == "outcome")
+    statements = tuple(s for s in draft.statements if s != outcome)
+    return dataclasses.replace(draft, statements=statements or (() if draft.ask else (post.facts[0].phrase,)))
+
+
+def tool_answer(post: Post, draft: Draft, looked_up: bool) -> list[dict]:
+    """An answer of the tool task as messages: the lookup and the summary, or (not looked up) the summary alone,
+    its outcome left out."""
+    if not looked_up:
+        return [{"role": "assistant", "content": without_outcome(post, draft).render()}]
+    return [*lookup_exchange(post), {"role": "assistant", "content": draft.render()}]
+
+
+def _tool_row(post: Post, **answers: list[dict]) -> dict:
+    return {**as_conversation({"prompt": post.prompt}), **answers, "tools": tool_schemas()}
+
+
+def _looks_up(rng: random.Random) -> bool:
+    return rng.random() >= SKIP_LOOKUP_PROBABILITY
+
+
+def _tool_sft_row(post: Post, rng: random.Random, config: WorldConfig) -> dict:
+    flaws = (rng.choice(SFT_FLAWS),) if rng.random() < config.sft_flawed_fraction else ()
+    padding = (rng.choice(SFT_PADDING),) if rng.random() < config.sft_padded_fraction else ()
+    return _tool_row(post, completion=tool_answer(post, perturbed_draft(post, rng, flaws + padding), _looks_up(rng)))
+
+
+def _tool_preference_row(post: Post, rng: random.Random, config: WorldConfig) -> dict | None:
+    """Two candidates (each looked up or not) ordered by the gold reward of their summaries, as `_preference_row`."""
+    draft = candidate_draft(post, rng)
+    misstated = rng.random() < config.misstated_pair_fraction
+    other = swap_fact(post, draft, rng) if misstated else candidate_draft(post, rng)
+    a, b = tool_answer(post, draft, _looks_up(rng)), tool_answer(post, other, _looks_up(rng))
+    gold_a, gold_b = (gold_reward(post.prompt, answer[-1]["content"]) for answer in (a, b))
+    if gold_a == gold_b:
+        return None
+    chosen, rejected = (a, b) if gold_a > gold_b else (b, a)
+    if rng.random() < config.label_noise:
+        chosen, rejected = rejected, chosen
+    return _tool_row(post, chosen=chosen, rejected=rejected)
+
+
+def _tool_prompt_row(post: Post, rng: random.Random, config: WorldConfig) -> dict:
+    return _tool_row(post)
+
+
+def _tool_eval_row(post: Post, rng: random.Random, config: WorldConfig) -> dict:
+    return _tool_row(post, reference=tool_answer(post, reference_draft(post, rng), looked_up=True))
+
+
+_TOOL_ROW_BUILDERS = {"prompts_eval": _tool_eval_row, "sft_eval": _tool_sft_row, "prefs_eval": _tool_preference_row,
+                      "prompts_train": _tool_prompt_row, "sft_train": _tool_sft_row,
+                      "prefs_train": _tool_preference_row}
+
+
 def build_world(seed: int, config: WorldConfig | None = None) -> dict[str, list[dict]]:
     """All splits of the demo world; the same seed and config give identical rows.
 
     Every split draws from its own generator (seeded by seed and split name) and no two rows of any
-    splits share a prompt.
+    splits share a prompt. The tool task's rows are conversations whatever `config.conversational` says.
     """
     config = config or WorldConfig()
+    builders = _TOOL_ROW_BUILDERS if config.tool_task else _ROW_BUILDERS
     seen: set[str] = set()
     world = {}
     for split in SPLITS:
         rng = random.Random(f"tldr-world/{seed}/{split}")
-        rows: list[dict[str, str]] = []
+        rows: list[dict] = []
         while len(rows) < getattr(config, split):
-            row = _ROW_BUILDERS[split](_fresh_post(rng, seen), rng, config)
+            row = builders[split](_fresh_post(rng, seen, config.tool_task), rng, config)
             if row is not None:
                 rows.append(row)
-        world[split] = [as_conversation(row) for row in rows] if config.conversational else rows
+        world[split] = [as_conversation(row) for row in rows] if config.conversational and not config.tool_task \
+            else rows
     return world
 
 
@@ -278,18 +363,24 @@ def as_conversation(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset(), conversational: bool = False) -> list[dict]:
+def misstated_pairs(seed: int, n: int, exclude: set[str] = frozenset(), conversational: bool = False,
+                    tool_task: bool = False) -> list[dict]:
     """`n` probe pairs {prompt, chosen: the reference, rejected: it with one misstated fact (`swap_fact`)}.
 
     They measure whether a reward model checks a summary against its post, the check an RL policy
     exploits when it is missing. Posts are fresh (prompts in `exclude`, e.g. the training splits' post texts, are
-    skipped); `conversational` gives them in the conversational variant's format.
+    skipped); `conversational` gives them in the conversational variant's format, `tool_task` in the tool task's
+    (both answers look the outcome up).
     """
     rng, seen = random.Random(f"tldr-world/{seed}/misstated"), set(exclude)
     rows = []
     for _ in range(n):
-        post = _fresh_post(rng, seen)
+        post = _fresh_post(rng, seen, tool_task)
         reference = reference_draft(post, rng)
-        rows.append({"prompt": post.prompt, "chosen": reference.render(),
-                     "rejected": swap_fact(post, reference, rng).render()})
-    return [as_conversation(row) for row in rows] if conversational else rows
+        misstated = swap_fact(post, reference, rng)
+        if tool_task:
+            rows.append(_tool_row(post, chosen=tool_answer(post, reference, True),
+                                  rejected=tool_answer(post, misstated, True)))
+        else:
+            rows.append({"prompt": post.prompt, "chosen": reference.render(), "rejected": misstated.render()})
+    return [as_conversation(row) for row in rows] if conversational and not tool_task else rows

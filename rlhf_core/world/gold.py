@@ -16,9 +16,14 @@
 
 The total is clipped to [-1, 1]; a reference summary scores exactly 1.0.
 
+A completion that calls tools (the tool task, `WorldConfig.tool_task`) is scored on its final answer alone: what the
+model wrote after its last tool call (`final_answer`). A tool result is the tool's words, not the model's: a summary
+gets the looked-up outcome's coverage only by stating it.
+
 
 Facts are recoverable from the prompt text alone, without any metadata: events, outcomes and asks come from
-closed phrase lists that distractor templates never use (rlhf_core/world/vocabulary.py).
+closed phrase lists that distractor templates never use (rlhf_core/world/vocabulary.py); a tool-task post's outcome
+is in the case file it names, which the world's fixed directory holds (rlhf_core/world/tools.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections import Counter
 from dataclasses import dataclass
 from itertools import pairwise
 
+from rlhf_core.world.tokenizer import ROLE_TOKENS, TOOL_CALL_TOKENS
+from rlhf_core.world.tools import CASE_ID_RE, case_outcome
 from rlhf_core.world.vocabulary import DOMAINS, ENTITY_WORDS, Fact, listed_phrase, words
 
 BREVITY_SLACK = 4
@@ -59,6 +66,8 @@ def parse_facts(prompt: str) -> tuple[Fact, ...]:
         facts.append(Fact("incident", f"my {match[1]} {match[2]}"))
     if match := _OUTCOME_RE.search(body):
         facts.append(Fact("outcome", match[1]))
+    elif (match := CASE_ID_RE.search(body)) and (outcome := case_outcome(match[1])):
+        facts.append(Fact("outcome", outcome))  # the tool task: the outcome is in the case file
     if match := _ASK_RE.search(body):
         facts.append(Fact("ask", match[1]))
     return tuple(facts)
@@ -80,10 +89,17 @@ class GoldBreakdown:
         return max(-1.0, min(1.0, sum(dataclasses.astuple(self))))
 
 
+def final_answer(completion: str) -> str:
+    """What the model wrote after its last tool call: the text after the last </tool_call> and, in text rendered by
+    the chat template, after the assistant header that follows the tool's result. Without calls, all of it."""
+    _, called, after = completion.rpartition(TOOL_CALL_TOKENS[1])
+    return after.rpartition(ROLE_TOKENS[2])[2] if called else completion
+
+
 def gold_breakdown(prompt: str, completion: str, ended_with_eos: bool = True) -> GoldBreakdown:
     """Score `completion` as a summary of `prompt` against the facts parsed from the prompt."""
     facts = parse_facts(prompt)
-    said = words(completion)
+    said = words(final_answer(completion))
     said_set = set(said)
     coverage = sum(sum(w in said_set for w in f.keywords) / len(f.keywords) for f in facts) / max(len(facts), 1)
     budget = BREVITY_SLACK + sum(len(words(f.phrase)) for f in facts)

@@ -24,14 +24,14 @@ CHAT_TEMPLATE = (
 )
 TOOL_ROLE = "<|tool|>"  # the header of a tool message (a tokenizer trained with tools has it as a fourth role)
 TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")  # around each call's JSON: one token each, kept in decoded text
+TOOLS_PREAMBLE = 'You may call these tools, each as <tool_call>{"name": NAME, "arguments": {...}}</tool_call>:'
 # CHAT_TEMPLATE plus tools (Hermes / Qwen style): their JSON schemas in a system turn, each assistant tool call as
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call> before the turn's EOS, a tool message under <|tool|>.
 # Without tools or tool messages it renders what CHAT_TEMPLATE does. Prefix-preserving: a turn renders the same
 # whatever follows it, so tool results append as tokens (rlhf_core/tool_chat.py).
 TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}<|system|>{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{{ '\\n\\n' }}{% endif %}You may call these tools, each as "
-    "<tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call>:"
+    "{{ '\\n\\n' }}{% endif %}" + TOOLS_PREAMBLE +
     "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
     "{%- elif messages and messages[0]['role'] == 'system' %}<|system|>{{ messages[0]['content'] }}{% endif %}"
     "{%- for message in messages %}{%- if not (loop.first and message['role'] == 'system') %}"

@@ -78,6 +78,9 @@ INCIDENT_SENTENCES = ("{time} {fact}.", "so {time} {fact}.", "long story short, 
 OUTCOME_SENTENCES = ("in the end {fact}.", "after a long talk {fact}.", "eventually {fact}.",
                      "the next morning {fact}.")
 ASK_SENTENCES = ("{fact}?", "honestly, {fact}?", "so reddit, {fact}?", "my question is, {fact}?")
+# A tool-task post's outcome sentence: the outcome itself is only in the case file (rlhf_core/world/tools.py)
+CASE_SENTENCES = ("what happened next is in case file {case}.", "how it ended is in case file {case}.",
+                  "the rest is in case file {case}.")
 DISTRACTORS = ("my {relation} {name} {hobby}", "for context i am {age} and live in {place}",
                "{name} from work says this happens a lot", "my {relation} {name} visited from {place}",
                "{name} and i went to the movies on {day}", "it rained all week here in {place}",

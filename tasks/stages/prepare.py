@@ -10,6 +10,7 @@ chat template renders (rlhf_core/chat.py), which the tokenizer saved here carrie
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from rlhf_core.hub import load_tokenizer, save_tokenizer
 from rlhf_core.jsonio import atomic_path, write_json, write_jsonl
 from rlhf_core.sources import load_rows
 from rlhf_core.world.generator import build_world
-from rlhf_core.world.tokenizer import train_tokenizer
+from rlhf_core.world.tokenizer import TOOLS_PREAMBLE, train_tokenizer
 from tasks.data.layouts import TOOLS, normalize
 from tasks.parameters.params import Params, PrepareParams
 from tasks.parameters.paths import SPLITS, Paths
@@ -72,17 +73,27 @@ def source_splits(cfg: PrepareParams, seed: int) -> dict[str, list[dict]]:
             "prompts_eval": prompts_eval}
 
 
+def tools_text(row: dict) -> list[str]:
+    """A row's tools as the world's tool chat template shows them to the model (the preamble, a schema a line)."""
+    tools = chat.row_tools(row)
+    return [TOOLS_PREAMBLE + "".join("\n" + json.dumps(tool) for tool in tools)] if isinstance(tools, list) else []
+
+
 def make_tokenizer(cfg: PrepareParams, splits: dict[str, list[dict]]):
     """The pipeline's tokenizer: `prepare.tokenizer`, or one trained on the training texts (with the world's chat
-    template when the world is conversational); `prepare.chat_template` replaces its template."""
+    template when the world is conversational, its tool chat template for the tool task); `prepare.chat_template`
+    replaces its template."""
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
     else:
+        tools = cfg.source == "world" and cfg.world.tool_task
         texts = [text for name in ("sft_train", "prefs_train") for row in splits[name] for value in row.values()
                  for text in ([chat.message_text(m) for m in value] if chat.is_conversation(value) else [value])
-                 if isinstance(text, str)]  # a row's `tools` schemas are no training text
+                 if isinstance(text, str)]  # a row's `tools` schemas are no training text...
+        if tools:  # ...but for the tool task, as every prompt shows them: they become a few tokens
+            texts += [text for name in ("sft_train", "prefs_train") for row in splits[name] for text in tools_text(row)]
         tokenizer = train_tokenizer(texts, vocab_size=cfg.tokenizer_vocab_size,
-                                    chat=cfg.source == "world" and cfg.world.conversational)
+                                    chat=cfg.source == "world" and cfg.world.conversational, tools=tools)
     if cfg.chat_template:
         path = Path(cfg.chat_template)
         if not path.is_file():

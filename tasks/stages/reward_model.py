@@ -64,7 +64,8 @@ def _evaluate_and_save(runtime: Runtime, model, tokenizer, eval_rows, gold, para
             seen = {chat.last_user_text(row["prompt"]) for split in ("prefs_train", "prefs_eval")
                     for row in read_jsonl(paths.split(split))}  # the posts, whatever the format
             probe = chat.render_rows(misstated_pairs(params.base.seed, len(eval_rows), exclude=seen,
-                                                     conversational=params.prepare.world.conversational),
+                                                     conversational=params.prepare.world.conversational,
+                                                     tool_task=params.prepare.world.tool_task),
                                      tokenizer, params.prepare.chat_template_kwargs)
             metrics["eval/misstated_accuracy"] = evaluate_reward_model(model, tokenizer, probe,
                                                                        cfg=rm_cfg)["eval/accuracy"]
