@@ -63,11 +63,11 @@ UI_ONLY_LOGGER = "prefect.extra"  # Prefect sends its records to the API only (n
 
 class _UiRelay:
     """A stage's output lines to its task's log in the Prefect UI, a record each; but the result `rlhf stage` prints
-    at its end (its metrics as an indented JSON object) as one record, not a record per line: forty records of `{`,
-    `"episode": 64,` ... `}` closed every stage's log."""
+    at its end (its metrics as an indented JSON object) as one record, a key per line (`reports.stage_result`), not a
+    record per line: forty records of `{`, `"episode": 64,` ... `}` closed every stage's log."""
 
-    def __init__(self, log: logging.LoggerAdapter):
-        self.log, self.block = log, None
+    def __init__(self, stage: str, log: logging.LoggerAdapter):
+        self.stage, self.log, self.block = stage, log, None
 
     def __call__(self, line: str) -> None:
         if self.block is not None:
@@ -85,10 +85,10 @@ class _UiRelay:
             return
         text, self.block = "\n".join(self.block), None
         try:
-            text = json.dumps(json.loads(text), sort_keys=True)
+            result = json.loads(text)
         except ValueError:
-            pass
-        self.log.info("%s", text)
+            result = None
+        self.log.info("%s", reports.stage_result(self.stage, result) if isinstance(result, dict) else text)
 
 
 RETRYABLE: dict[str, str] = {}  # task run id -> why a retry may fix its failure (ReproResult.retry_reason)
@@ -117,7 +117,7 @@ def run_dvc_stage(name: str, root: str, parent_run_id: str = "", stage_server: s
     with forwarded_progress(name, ui_only, progress_file) as progress_env:
         env = stage_env({**progress_env, **({PARENT_RUN_ENV: parent_run_id} if parent_run_id else {}),
                          **({SERVER_ENV: stage_server} if stage_server else {})}, terminal)
-        relay = _UiRelay(ui_only)
+        relay = _UiRelay(name, ui_only)
         result = repro_stage(root, name, log, env, echo=getattr(sys.stdout, "buffer", None), on_line=relay)
         relay.close()
     if interrupt.received():

@@ -22,16 +22,39 @@ EVAL_METRICS = ("win_rate_rm", "win_rate_gold", "mean_score_rm", "ref_mean_score
 HEAD_ROWS = 5
 
 
-def _cell(value: Any, width: int = 120) -> str:
+def _text(value: Any, width: int = 120) -> str:
     text = f"{value:.4g}" if isinstance(value, float) else str(value)
-    text = text.replace("|", "\\|").replace("\n", " ⏎ ")
+    text = text.replace("\n", " ⏎ ")
     return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _cell(value: Any, width: int = 120) -> str:
+    return _text(value, width).replace("|", "\\|")
 
 
 def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _flat(result: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in result.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def stage_result(stage: str, result: dict) -> str:
+    """The result `rlhf stage` prints (a JSON object) as a person reads it in a log: one key per line, sorted,
+    values aligned, floats to 4 significant digits, inner objects' keys joined with '/'."""
+    flat = _flat(result)
+    width = max((len(key) for key in flat), default=0)
+    lines = [f"  {key:<{width}}  {_text(value)}" for key, value in sorted(flat.items())]
+    return "\n".join([f"{stage}'s result (to 4 digits; its log has every digit):", *lines])
 
 
 def run_parameters(profile: str, overrides: list[str], changes: list[tuple[str, Any, Any]], record: Path) -> str:

@@ -249,10 +249,14 @@ def test_the_flow_run_shows_where_the_run_is_while_a_stage_runs_and_how_it_ended
     assert now.description == "done: 2 stages, 2 ran" and now.data == 100, now
     [stage] = [a for a in _artifacts(local_prefect, "rlhf-progress-ok") if a.flow_run_id == run_id]
     assert stage.task_run_id is not None and stage.data == 100  # the stage's own, on its task run, as before
-    # the stage's result, printed as an indented object, is one record of its log (it was one per line: `{`, ...)
+    # the stage's result, printed as an indented object, is one record of its log (it was one per line: `{`, ...),
+    # a metric per line as a person reads it (it was one line of raw JSON)
     messages = [log.message for log in _logs(local_prefect, run_id)]
-    assert '{"episode": 64, "objective/kl": 0.02, "time": {"update_s": 1.5}}' in messages, messages
-    assert "{" not in messages and "}" not in messages, messages
+    assert ("ok's result (to 4 digits; its log has every digit):\n"
+            "  episode        64\n"
+            "  objective/kl   0.02\n"
+            "  time/update_s  1.5") in messages, messages
+    assert not [m for m in messages if m.strip().startswith(("{", "}"))], messages
 
     # a failed stage: where the run stopped (ok is unchanged: DVC skips it)
     stages["after"]["cmd"] = "python -c \"import sys; sys.exit(3)\""
