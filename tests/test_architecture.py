@@ -21,6 +21,13 @@ from tasks.dag.stage_modules import STAGES
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("rlhf_core", "tasks", "flows", "cli")  # bottom to top: a package may import its own layer and below
 SCRIPTS = "bench"  # scripts run by path; they and the tests that run them put bench/ on sys.path
+
+
+def python_files(root: Path, folder: str) -> list[Path]:
+    """The .py files under `root/folder`, hidden folders left out: bench/.trl-venv and bench/.trl116 are the
+    environments `bench/vs_trl.py` makes, not our code."""
+    base = root / folder
+    return sorted(p for p in base.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(base).parts))
 ONLY_IN = {  # third-party packages and the only layers that may import them
     "prefect": {"flows"},
     "mlflow": {"tasks", "flows", "cli"},
@@ -178,7 +185,7 @@ def violations(root: Path) -> list[str]:
     """Every upward import, stage-to-stage import and banned library import under `root`'s layers."""
     out = []
     for rank, layer in enumerate(LAYERS):
-        for path in sorted((root / layer).rglob("*.py")):
+        for path in python_files(root, layer):
             where = path.relative_to(root)
             for line, module in imports(path, root):
                 if module is None:
@@ -202,7 +209,7 @@ def room_imports(root: Path) -> dict[str, set[str]]:
     rooms = {p.parent.name for p in (root / "tasks").glob("*/__init__.py")} - {"stages"}
     graph: dict[str, set[str]] = {room: set() for room in rooms}
     for room in rooms:
-        for path in (root / "tasks" / room).rglob("*.py"):
+        for path in python_files(root / "tasks", room):
             for _, module in imports(path, root):
                 parts = (module or "").split(".")
                 if parts[0] == "tasks" and len(parts) > 1 and parts[1] in rooms and parts[1] != room:
@@ -275,7 +282,7 @@ def test_importing_the_library_and_the_stages_never_loads_the_orchestration(modu
 
 def test_only_the_ray_launcher_imports_ray():
     """Ray is an optional extra: one module imports it, and only a stage whose runtime asks for Ray imports that."""
-    importers = sorted(str(path.relative_to(ROOT)) for layer in LAYERS for path in (ROOT / layer).rglob("*.py")
+    importers = sorted(str(path.relative_to(ROOT)) for layer in LAYERS for path in python_files(ROOT, layer)
                        if any((module or "").split(".")[0] == "ray" for _, module in imports(path)))
     assert importers == ["tasks/execution/ray_launch.py"]
     tree = ast.parse((ROOT / "tasks" / "execution" / "ray_launch.py").read_text())
@@ -287,7 +294,7 @@ def test_only_the_ray_launcher_imports_ray():
 def test_every_dynamic_import_names_its_modules_in_the_source():
     """importlib's calls are checked like imports: each names constants (or a constant list), or is one of the two
     loaders of names from data, which check them where DATA_NAMED says."""
-    unread = {str(path.relative_to(ROOT)) for folder in (*LAYERS, SCRIPTS) for path in (ROOT / folder).rglob("*.py")
+    unread = {str(path.relative_to(ROOT)) for folder in (*LAYERS, SCRIPTS) for path in python_files(ROOT, folder)
               if any(module is None for _, module in imports(path))}
     assert unread == set(DATA_NAMED)
 
@@ -340,7 +347,7 @@ def reexports(path: Path) -> list[str]:
 
 
 def test_no_module_re_exports_another_s_names():
-    found = [r for folder in (*LAYERS, SCRIPTS) for path in sorted((ROOT / folder).rglob("*.py")) for r in reexports(path)]
+    found = [r for folder in (*LAYERS, SCRIPTS) for path in python_files(ROOT, folder) for r in reexports(path)]
     assert found == []
 
 
@@ -376,7 +383,8 @@ def module_names(root: Path) -> dict[str, Path]:
 
 def text_files(root: Path, places: tuple[str, ...]) -> list[Path]:
     return [p for place in places for p in ([root / place] if (root / place).is_file() else (root / place).rglob("*"))
-            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+            if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+            and not any(part.startswith(".") for part in p.relative_to(root / place).parts[:-1])]
 
 
 def entry_points(root: Path) -> set[str]:
