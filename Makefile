@@ -24,7 +24,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup run test test-gpu test-gpu-check test-server test-ui bench lint dvc-deps clean trl116
+.PHONY: setup run test test-slow test-gpu test-gpu-check test-server test-ui bench lint dvc-deps clean trl116
 
 setup: $(STAMP)
 
@@ -60,10 +60,16 @@ run: setup
 # its Prefect server or reproduced repo, are built once): most tests wait on subprocesses, servers and files for
 # much of their time, so two overlap on 2 cores. Files go out slowest first (tests/durations.json, kept in its
 # order by --no-loadscope-reorder). PYTEST_WORKERS=0 runs them in this process, one after another.
+# `make test` leaves out the long tier (marker `slow`: more whole-pipeline runs, sweeps and launches of what the
+# suite already proves once), which `make test-slow` runs; CI (.ci/run) runs both.
 PYTEST_WORKERS ?= 2
+NOT_ELSEWHERE := not gpu and not gpu_check and not server and not ui
+PYTEST_XDIST = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 test: setup trl116
-	$(BIN)/python -m pytest -m "not gpu and not gpu_check and not server and not ui" -n $(PYTEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and $(NOT_ELSEWHERE)" $(PYTEST_XDIST) $(PYTEST_ARGS)
+
+test-slow: setup trl116
+	$(BIN)/python -m pytest -m "slow and $(NOT_ELSEWHERE)" $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # On a CUDA machine: Pythia-1B shapes in bf16 (PPO, RLOO, LoRA); prints episodes/s and peak memory.
 test-gpu: setup

@@ -19,8 +19,9 @@ def run(args: list[str], tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("algo, mini_batches", [("ppo", "1"), ("rloo", "1"), ("rloo", "2"), ("grpo", "2")])
+@pytest.mark.parametrize("algo, mini_batches", [pytest.param("ppo", "1", marks=pytest.mark.slow),
+                                                 pytest.param("rloo", "1", marks=pytest.mark.slow),
+                                                 pytest.param("rloo", "2", marks=pytest.mark.slow), ("grpo", "2")])
 def test_two_processes_match_one(algo, mini_batches, tmp_path):
     """With 2 mini-batches, one generation feeds two optimizer steps per epoch (TRL's steps_per_generation). GRPO:
     the batch-wide std (scale_rewards batch) and dapo's token mean over each optimizer step are global."""

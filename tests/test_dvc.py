@@ -73,7 +73,6 @@ def test_the_offline_plots_template_is_current():
     assert "{plot_divs}" in template_html() and "{scripts}" not in template_html(), "no CDN tag from DVC"
 
 
-@pytest.mark.slow
 def test_repro_runs_skips_and_reruns_downstream(dvc_repo):
     assert json.loads((dvc_repo / "metrics" / "eval.json").read_text())["win_rate_rm"] >= 0
     assert json.loads((dvc_repo / "metrics" / "register.json").read_text())["version"] == 1, "tracked in mlflow.db"
@@ -111,7 +110,6 @@ def test_repro_runs_skips_and_reruns_downstream(dvc_repo):
         assert "win_rate_rm" in metrics["metrics/eval.json"]["data"], row["rev"]
 
 
-@pytest.mark.slow
 def test_metrics_diff_and_exp_show_read_the_committed_metrics(dvc_repo):
     """metrics/ is in git: a fresh clone's HEAD has every stage's metrics for `dvc metrics diff`/`exp show`."""
     committed = set(sh("git", "ls-files", "metrics", cwd=dvc_repo).split())
@@ -135,7 +133,6 @@ def test_metrics_diff_and_exp_show_read_the_committed_metrics(dvc_repo):
     assert head["data"]["metrics"]["metrics/eval.json"]["data"]["win_rate_rm"] == before["win_rate_rm"], head
 
 
-@pytest.mark.slow
 def test_plots_show_draws_the_train_history_and_the_pngs_offline(dvc_repo):
     history = json.loads((dvc_repo / "metrics" / "train_history.json").read_text())
     assert [row["update"] for row in history] == [1] and not any(k.startswith("time/") for k in history[0])
@@ -160,7 +157,6 @@ def test_plots_show_draws_the_train_history_and_the_pngs_offline(dvc_repo):
     assert len(images) == 4 and all(p.read_bytes()[:4] == b"\x89PNG" for p in images), "shown offline"
 
 
-@pytest.mark.slow
 def test_an_unchanged_rerun_writes_the_same_dvc_lock_and_metrics(dvc_repo):
     """sft, reward-model and train rerun from scratch (no checkpoints, as in a fresh clone): the same bytes
     in dvc.lock and metrics/; the timings are in reports/execution/ (and MLflow), not in DVC's outputs."""
@@ -179,7 +175,6 @@ def test_an_unchanged_rerun_writes_the_same_dvc_lock_and_metrics(dvc_repo):
     assert "time/update_s" in json.loads((execution / "train_log.jsonl").read_text().splitlines()[0])
 
 
-@pytest.mark.slow
 def test_editing_a_profile_reruns_exactly_the_stages_it_feeds(dvc_repo):
     """A run writes its profile's values into params.yaml (for that run), so DVC sees an edit of
     profiles/<name>.yaml in the params sections it changes: here inspect's, and so inspect and what follows it."""

@@ -761,7 +761,7 @@ def _cancel_from_the_prefect_ui(sleeping_repo: Path, api: str, tmp_path_factory)
     return run, logs, tasks, "".join(lines)
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "prefect-ui"])
+@pytest.mark.parametrize("how", ["ctrl-c", *(pytest.param(h, marks=pytest.mark.slow) for h in ("sigterm", "prefect-ui"))])
 def test_a_signal_stops_the_run_cleanly(sleeping_repo, how, request, tmp_path_factory):
     """Ctrl-C (SIGINT to the terminal's whole process group), a worker's SIGTERM (to `rlhf run` alone), or
     Cancel in the Prefect UI (a served run; the runner sends SIGTERM) in the middle of a stage: the stage
@@ -884,6 +884,7 @@ def test_the_temporary_server_starts_beside_the_runs_own_preparation(tmp_path, m
     assert not [p for p in processes_in(tmp_path) if "uvicorn" in p], "server left behind"
 
 
+@pytest.mark.slow
 def test_the_temporary_server_exits_when_its_run_is_killed(tmp_path):
     """The temporary server runs in its own session, out of reach of a Ctrl-C meant for the run; a kill -9 of
     the run (the OOM killer, a CI timeout) must not leave it serving for good: it stops once its parent is gone."""
@@ -926,6 +927,7 @@ def gated_repo(tmp_path, mlflow_db_template):
     return git_dvc_repo(tmp_path)
 
 
+@pytest.mark.slow
 def test_the_prefect_server_dying_mid_run_loses_no_work(gated_repo, tmp_path_factory):
     """A Prefect server killed while a stage runs: the run goes on without it, every stage completes, the run record
     and MLflow say FINISHED, params.yaml is restored, the lock released, and `rlhf run` exits 0 saying what

@@ -80,7 +80,6 @@ def test_a_nan_reward_stops_the_train_stage_before_any_checkpoint(workspace, mak
     assert not (workspace / "models" / "policy").exists()
 
 
-@pytest.mark.slow
 def test_two_ranks_stop_at_the_same_update_when_only_one_sees_the_nan(tmp_path):
     """2 CPU ranks under torchrun (tests/distributed_diverge.py): only rank 1's reward is NaN, at update 3. The guard
     reads the figures reduced across ranks, so both stop at update 3 with the same message, which names rank 1's NaN

@@ -98,7 +98,6 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-@pytest.mark.slow
 def test_train_stage_on_two_processes(workspace):
     """The real stage through the launcher under profiles/cpu-ddp.yaml (2 processes, torchrun, gloo): 2 ranks train,
     rank 0 alone writes one set of outputs and one MLflow run, and the policy is the 1-process run's (the same

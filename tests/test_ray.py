@@ -3,8 +3,8 @@ machine (tests/ray_cluster.py: 127.0.0.2 and 127.0.0.3, 1 CPU each, no dashboard
 
 One whole pipeline runs on the cluster (`rlhf run --profile cpu-ray`); its workspace is then copied for the rest:
 train on Ray writes the bytes the 2-process local launch writes (DDP against torchrun; DeepSpeed ZeRO-3 against
-accelerate, through ranks killed mid-train: a restart from the last checkpoint, then a stage out of restarts that
-brings its checkpoint home, and the next run resuming from it), a cluster that does not answer fails before anything
+accelerate, through a rank killed mid-train and a restart from the last checkpoint), a stage out of restarts brings
+its checkpoint home and the next run resumes from it (in the long tier, `make test-slow`), a cluster that does not answer fails before anything
 is touched, and Ctrl-C leaves no Ray worker on either node. Every rank runs in a scratch folder of its own node,
 never in the workspace.
 """
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from ray_cluster import HEAD_IP, WORKER_IP, LocalRayCluster, free_port  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ctrl_c_reaches_children")]
+pytestmark = pytest.mark.usefixtures("ctrl_c_reaches_children")
 
 MODEL_METRICS = {"sft": "sft", "reward-model": "reward", "inspect": "inspect", "train": "train", "evaluate": "eval"}
 EPISODES = "train.total_episodes=256"  # 8 updates of 32 episodes: room to interrupt a run between its checkpoints
@@ -156,13 +156,12 @@ def test_ddp_on_ray_writes_the_torchrun_launchs_bytes(ray_run, tmp_path):
     assert_same_bytes(repo, local)
 
 
-def test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_killed_ranks(ray_run, cluster, tmp_path):
+def test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_a_killed_rank(ray_run, cluster, tmp_path):
     """DeepSpeed ZeRO-3 (the GPU config file itself) across the two nodes against `accelerate launch` on 2 local
-    processes, through faults: each rank's shards go into the checkpoints of its own node and Ray Train merges them
-    on the shared storage. The rank on the worker node is killed (kill -9) mid-train twice: the first kill restarts
-    the worker group from the last checkpoint (runtime.ray_max_failures 1); the second exhausts the restarts and
-    fails the stage naming the node and the checkpoint it brought home; the next run resumes from it. The policy is
-    the uninterrupted local launch's, byte for byte."""
+    processes, through a fault: each rank's shards go into the checkpoints of its own node and Ray Train merges them
+    on the shared storage. The rank on the worker node is killed (kill -9) mid-train: the worker group restarts from
+    the last checkpoint (runtime.ray_max_failures 1) and ends with the uninterrupted local launch's policy, byte for
+    byte."""
     repo, _ = ray_run
     zero3 = "runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml"
     local, killed = copy_of(repo, tmp_path, "local"), copy_of(repo, tmp_path, "killed")
@@ -170,8 +169,26 @@ def test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_killed_ranks(r
     assert proc.returncode == 0, proc.stdout[-4000:]
 
     run = stage_train(killed, ray_env(cluster), zero3, wait=False)
-    first = kill_a_rank_after_a_new_checkpoint(cluster, run, seen=set(checkpoints_in(cluster)))
-    kill_a_rank_after_a_new_checkpoint(cluster, run, seen=first)
+    seen = set(checkpoints_in(cluster))
+    kill_a_rank_after_a_new_checkpoint(cluster, run, seen=seen)
+    output, _ = run.communicate(timeout=WAIT_S)
+    assert run.returncode == 0, output[-4000:]
+    assert json.loads((killed / "metrics" / "train.json").read_text())["distributed_type"] == "DEEPSPEED"
+    metrics = json.loads((killed / "reports" / "execution" / "train.json").read_text())
+    assert metrics["resumed_from_update"] >= 1, "the restarted worker group resumed from a checkpoint"
+    assert_same_bytes(local, killed)
+    assert no_ray_workers_left(cluster, train_workers) == [], "no rank outlives its stage"
+
+
+@pytest.mark.slow
+def test_a_stage_out_of_restarts_brings_its_checkpoint_home_and_the_next_run_resumes(ray_run, cluster, tmp_path):
+    """DDP across the two nodes with no restart allowed (runtime.ray_max_failures 0): the rank on the worker node
+    killed (kill -9) mid-train fails the stage naming the node and the checkpoint it brought home; the next run, the
+    same command, resumes from it to the uninterrupted pipeline's policy, byte for byte."""
+    repo, _ = ray_run
+    killed = copy_of(repo, tmp_path, "killed")
+    run = stage_train(killed, ray_env(cluster), "runtime.ray_max_failures=0", wait=False)
+    kill_a_rank_after_a_new_checkpoint(cluster, run, seen=set(checkpoints_in(cluster)))
     output, _ = run.communicate(timeout=WAIT_S)
     assert run.returncode == 1, output[-4000:]
     error = [line for line in output.splitlines() if line.startswith("error:")]
@@ -181,12 +198,11 @@ def test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_killed_ranks(r
     assert kept and kept[-1] in error[0], (kept, error[0])
     assert no_ray_workers_left(cluster, train_workers) == [], "no rank outlives its failed stage"
 
-    rerun = stage_train(killed, ray_env(cluster), zero3)
+    rerun = stage_train(killed, ray_env(cluster), "runtime.ray_max_failures=0")
     assert rerun.returncode == 0, rerun.stdout[-4000:]
-    assert json.loads((killed / "metrics" / "train.json").read_text())["distributed_type"] == "DEEPSPEED"
     metrics = json.loads((killed / "reports" / "execution" / "train.json").read_text())
     assert metrics["resumed_from_update"] == int(kept[-1].split("-")[-1]), metrics
-    assert_same_bytes(local, killed)
+    assert_same_bytes(repo, killed)
 
 
 def kill_a_rank_after_a_new_checkpoint(cluster: LocalRayCluster, run: subprocess.Popen, seen: set[str]) -> set[str]:

@@ -89,6 +89,7 @@ def _assert_alias_has_its_record(state: tuple[str | None, dict[int, list[str]]])
         f"the champion alias is on v{alias} without the record of its promotion: {histories}"
 
 
+@pytest.mark.slow
 def test_a_promotion_killed_between_its_writes_rides_through_the_restart(mlflow_server, gateway):
     name = _two_versions(mlflow_server.url)
     seen: list = []

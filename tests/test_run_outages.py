@@ -188,6 +188,7 @@ def test_a_write_in_flight_at_the_deadline_is_confirmed_not_reported_unsent(trac
     assert tracker.sent[-1] == "1 metrics" and len(client.get_metric_history(run_id, "objective/kl")) == 1
 
 
+@pytest.mark.slow
 def test_the_pipeline_flow_fails_naming_what_mlflow_never_took(tracking_server, fast_client, prefect_api,  # noqa: F811
                                                               tmp_path, monkeypatch):
     """Through the flow: its stage done, MLflow goes down for good before the pipeline run's end is sent; the run

@@ -73,6 +73,7 @@ def test_a_stage_in_the_server_writes_the_same_bytes_and_says_the_same(server, t
         assert (plain / relative).read_bytes() == (warm / relative).read_bytes(), relative
 
 
+@pytest.mark.slow
 def test_a_launched_stages_ranks_run_in_the_server_too(server, tmp_path):
     """`rlhf stage sft --profile cpu-ddp`: the server runs the stage, its torchrun starts 2 ranks, and each rank's
     `rlhf stage` hands itself to the server in turn (no rank imports torch again); the model is the bytes of the

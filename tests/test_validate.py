@@ -203,7 +203,6 @@ def test_stage_passes_the_demo_data_and_fails_on_a_leaked_prompt(workspace):
     assert json.loads((workspace / "metrics" / "validate.json").read_text())["prompts_eval"]["failed"] == 1
 
 
-@pytest.mark.slow
 def test_dvc_repro_stops_before_training_on_data_that_failed(tmp_path):
     """Real data whose preference pair has chosen == rejected: `dvc repro` runs prepare and validate, fails,
     and never trains the reward model."""
