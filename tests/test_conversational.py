@@ -206,6 +206,7 @@ def test_prompt_token_budget_counts_the_templated_text(templated_workspace):
 
 # -- the whole pipeline --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_pipeline_runs_on_the_conversational_world(workspace):
     run_all_stages(*[x for item in TINY + ["prepare.world.conversational=true"] for x in ("--set", item)])
     row = json.loads((workspace / "data" / "prefs_train.jsonl").open().readline())

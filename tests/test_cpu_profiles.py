@@ -123,7 +123,7 @@ GPU_GUIDE_COMMANDS = {
         "test_cpu_profiles.py::test_the_whole_flow_under_the_cpu_zero3_profile",
     "rlhf run --profile tldr-pythia-1b --set runtime.launcher=ray --set runtime.num_processes=16 "
     "--set runtime.accelerate_config=infra/accelerate/deepspeed_zero3.yaml":
-        "test_ray.py::test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_killed_ranks",  # ZeRO-3 ranks on 2 Ray nodes
+        "test_ray.py::test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_a_killed_rank",  # ZeRO-3 ranks on 2 Ray nodes
     "rlhf run --profile cpu-ray":
         "test_ray.py::test_the_whole_pipeline_runs_every_model_stage_on_two_ray_nodes",
     "rlhf stage train --profile tldr-pythia-1b --set runtime.num_machines=2 --set runtime.num_processes=16 "

@@ -40,6 +40,7 @@ def trained(root: Path, overrides: list[str]) -> tuple[dict, dict[str, torch.Ten
     return metrics, load_file(root / "models" / "policy" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_zero2_and_zero3_update_as_the_plain_stage_does_and_clip_as_configured(workspace):
     """The same update as the plain stage, with train.max_grad_norm reaching DeepSpeed's own clipping: 0.01 under
     ZeRO-2 is the plain 0.01 (accelerate alone would have filled 1.0), and 0.01 is not 1.0."""

@@ -33,7 +33,8 @@ from ray_cluster import HEAD_IP, WORKER_IP, LocalRayCluster, free_port  # noqa: 
 pytestmark = pytest.mark.usefixtures("ctrl_c_reaches_children")
 
 MODEL_METRICS = {"sft": "sft", "reward-model": "reward", "inspect": "inspect", "train": "train", "evaluate": "eval"}
-EPISODES = "train.total_episodes=256"  # 8 updates of 32 episodes: room to interrupt a run between its checkpoints
+UPDATES = 4  # of 32 episodes, each checkpointed: room to kill a rank after one and resume before the end
+EPISODES = f"train.total_episodes={32 * UPDATES}"
 TRAIN_OUTPUTS = ("models/policy", "reports/trace", "metrics/train.json", "metrics/train_history.json")
 WAIT_S = 900  # a bound on waiting, not a timing assertion
 
@@ -92,8 +93,13 @@ def assert_same_bytes(a: Path, b: Path, paths=TRAIN_OUTPUTS) -> None:
 
 
 def checkpoints_in(cluster: LocalRayCluster) -> list[str]:
-    """The checkpoints Ray Train has persisted on the shared storage, over every run folder."""
-    return sorted(p.name for p in cluster.storage.glob("*-ray/checkpoint-update-*"))
+    """The checkpoints Ray Train has registered on the shared storage (every rank reported them), over every run
+    folder: a folder still being written is not one, and a rank killed then leaves nothing to resume from."""
+    from tasks.execution.ray_launch import registered_checkpoint
+    from tasks.execution.shared_storage import RunFolder
+
+    runs = {run.name: registered_checkpoint(RunFolder(str(run))) for run in cluster.storage.glob("*-ray")}
+    return sorted(f"{run}/{name}" for run, name in runs.items() if name)
 
 
 def wait_for(condition, what: str, proc: subprocess.Popen, timeout_s: float = WAIT_S) -> None:
@@ -140,7 +146,7 @@ def test_the_whole_pipeline_runs_every_model_stage_on_two_ray_nodes(ray_run, clu
         assert run.info.status == "FINISHED" and run.data.params["num_processes"] == "2", (stage, run.data.params)
     [train] = client.search_runs(experiments, "tags.`rlhf.stage` = 'train'")
     history = client.get_metric_history(train.info.run_id, "objective/kl")
-    assert [m.step for m in history] == list(range(1, 9)), "every update's figures reach the driver's MLflow run"
+    assert [m.step for m in history] == list(range(1, UPDATES + 1)), "every update's figures reach the driver's MLflow run"
     assert f"rank(s) on the Ray cluster at {cluster.address}" in proc.stdout + proc.stderr
     assert list(cluster.storage.iterdir()) == [], "each stage's folder on the shared storage is gone after it"
     assert no_ray_workers_left(cluster, train_workers) == [], "no rank outlives its stage"
@@ -168,14 +174,14 @@ def test_zero3_on_ray_writes_the_accelerate_launchs_bytes_through_a_killed_rank(
     proc = torchrun_train(local, zero3)
     assert proc.returncode == 0, proc.stdout[-4000:]
 
-    run = stage_train(killed, ray_env(cluster), zero3, wait=False)
     seen = set(checkpoints_in(cluster))
-    kill_a_rank_after_a_new_checkpoint(cluster, run, seen=seen)
+    run = stage_train(killed, ray_env(cluster), zero3, wait=False)
+    [registered] = kill_a_rank_after_a_new_checkpoint(cluster, run, seen=seen) - seen
     output, _ = run.communicate(timeout=WAIT_S)
     assert run.returncode == 0, output[-4000:]
     assert json.loads((killed / "metrics" / "train.json").read_text())["distributed_type"] == "DEEPSPEED"
     metrics = json.loads((killed / "reports" / "execution" / "train.json").read_text())
-    assert metrics["resumed_from_update"] >= 1, "the restarted worker group resumed from a checkpoint"
+    assert metrics["resumed_from_update"] >= int(registered.split("-")[-1]), (registered, metrics)
     assert_same_bytes(local, killed)
     assert no_ray_workers_left(cluster, train_workers) == [], "no rank outlives its stage"
 
@@ -206,7 +212,8 @@ def test_a_stage_out_of_restarts_brings_its_checkpoint_home_and_the_next_run_res
 
 
 def kill_a_rank_after_a_new_checkpoint(cluster: LocalRayCluster, run: subprocess.Popen, seen: set[str]) -> set[str]:
-    """kill -9 the train rank on the worker node once a checkpoint not in `seen` is on the shared storage."""
+    """kill -9 the train rank on the worker node once a checkpoint not in `seen` is registered on the shared storage;
+    what is registered then."""
     wait_for(lambda: set(checkpoints_in(cluster)) - seen and train_workers(cluster, "worker"),
              "a new checkpoint", run)
     for worker in train_workers(cluster, "worker"):

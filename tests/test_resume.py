@@ -56,7 +56,8 @@ def checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in (root / "checkpoints" / "train").glob("update-*") if not p.name.endswith(".tmp"))
 
 
-@pytest.mark.parametrize("algo", [pytest.param("ppo", marks=pytest.mark.slow), "grpo"])
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", list(ALGOS))
 def test_sigkill_after_a_checkpoint_then_rerun_resumes_to_the_same_policy(tmp_path, make_policy,
                                                                          make_scorer_model, tokenizer, algo):
     settings, extra_env, tolerance = ALGOS[algo]

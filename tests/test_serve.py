@@ -78,6 +78,7 @@ def stopped_by_sigterm(proc: subprocess.Popen, log: Path) -> str:
     return f"{time.monotonic() - started:.1f} s"
 
 
+@pytest.mark.slow
 def test_sigterm_stops_serve_cleanly_with_or_without_the_server(tmp_path):
     """A SIGTERM printed "RuntimeWarning: coroutine 'Runner.astop' was never awaited" at 2a5c0fd; with the Prefect
     server already stopped, `rlhf serve` then hung at "Pausing all deployments..." for over 40 s."""

@@ -139,6 +139,7 @@ def test_without_a_server_the_caller_runs_the_stage_itself(tmp_path):
     assert proc.returncode == 0 and (root / "data" / "sft_train.jsonl").is_file(), proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_stage_called_while_the_server_imports_waits_for_it(tmp_path):
     """The first stages of a run are called while the server still imports (~5 s quiet, ~40 s on busy cores): each
     waits and is served, rather than import the same libraries again on the same cores as a plain process."""

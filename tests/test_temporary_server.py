@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FLOW_NAME = "rlhf-link-probe"
@@ -70,6 +71,7 @@ def _html(url: str) -> httpx.Response:
     return httpx.get(url, headers={"Accept": "text/html"}, follow_redirects=True, timeout=30)
 
 
+@pytest.mark.slow
 def test_the_view_at_link_of_a_run_on_the_temporary_server_answers_with_the_ui(tmp_path):
     """It answered {"detail":"Not Found"} at 2a5c0fd (the server served the API only), and so did its root."""
     with held_flow_run(tmp_path) as link:

@@ -107,6 +107,7 @@ def test_a_stage_process_fits_its_threads_before_torch_work(tmp_path):
 WAIT_FOR = "[time.sleep(0.05) for _ in range(600) if not pathlib.Path({}).exists()]"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(usable_cores() < 2, reason="one core: every share is one thread")
 def test_by_default_a_neighbour_changes_nothing_so_a_rerun_gives_the_same_bytes(tmp_path):
     """A pipeline started beside another one a user runs takes the same count as alone (the count changes the

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from rlhf_core.config import RuntimeConfig
 from tasks.dag.dvc_yaml import CODE_DIRS, entry_paths, stage_entry
@@ -309,14 +309,26 @@ def _stage_trainer():
 def _bring_home_resume_state(root: Path, name: str, ray_folder: RunFolder) -> str | None:
     """Copy the newest checkpoint Ray Train kept into the workspace (checkpoints/, the train log); its name."""
     wanted = resume_state(root, name)
-    checkpoints = [c for c in ray_folder.folders() if c.startswith("checkpoint-update-")]
-    if not wanted or not checkpoints:
+    newest = registered_checkpoint(ray_folder) if wanted else None
+    if newest is None:
         return None
-    newest = checkpoints[-1]
     with tempfile.TemporaryDirectory(prefix=f".rlhf-{name}-", dir=root) as incoming:
         ray_folder.get(newest, Path(incoming))
         land(Path(incoming), root, wanted)
     return newest.removeprefix("checkpoint-")
+
+
+def registered_checkpoint(ray_folder: RunFolder) -> str | None:
+    """The folder name of the newest checkpoint Ray Train registered: every rank reported it, so it is whole. A
+    folder still being written when a rank died is on the storage too, and is not one; nor is any before the
+    first registration (what a restarted worker group resumes from is this one)."""
+    from ray.train import Result
+
+    try:
+        checkpoint = Result.from_path(ray_folder.uri).checkpoint
+    except RuntimeError:  # no run folder, or no checkpoint manager's snapshot in it yet
+        return None
+    return PurePosixPath(checkpoint.path).name if checkpoint is not None else None
 
 
 def _rank_records(folder: RunFolder) -> list[dict]:
