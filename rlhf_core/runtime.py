@@ -201,14 +201,24 @@ def _release_other_state(mixed_precision: str | None, cpu: bool) -> None:
 
 
 def prefer_this_environments_ninja() -> None:
-    """Put this interpreter's folder first on PATH when it has a `ninja`. DeepSpeed JIT-builds its ops (on the
-    CPU, its shared-memory all-reduce) with the first `ninja` on PATH into one cache folder; a machine with two
-    (Debian's 1.11 and the `ninja` wheel's 1.13 in this environment) keeps build logs in two formats, so each
-    rebuilt the op (~45 s on 2 cores) after the other had run: five times in one `make test`."""
+    """Put this interpreter's folder first on PATH when it has a `ninja`. DeepSpeed JIT-builds its ops with the
+    first `ninja` on PATH into one cache folder; a machine with two (Debian's 1.11 and the `ninja` wheel's 1.13 in
+    this environment) keeps build logs in two formats, so each rebuilt an op after the other had run."""
     here = str(Path(sys.executable).parent)
     rest = [folder for folder in os.environ.get("PATH", "").split(os.pathsep) if folder and folder != here]
     if shutil.which("ninja", path=here):
         os.environ["PATH"] = os.pathsep.join([here, *rest])
+
+
+def skip_deepspeeds_cpu_inference_all_reduce() -> None:
+    """DeepSpeed's torch backend JIT-compiles a shared-memory all-reduce on the CPU as it starts (~90 s of both
+    cores on 2, ~240 s beside other work, and again whenever the environment's path changes, as in every fresh
+    clone). Only `inference_all_reduce` uses it, DeepSpeed-Inference's tensor parallelism, which no stage runs:
+    training reduces through torch.distributed (gloo). Marked incompatible, the op is skipped as on a machine
+    without a compiler (DeepSpeed keeps the table of compatible ops in its module for such edits)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 class Runtime:
@@ -229,6 +239,7 @@ class Runtime:
         if deepspeed:
             prefer_this_environments_ninja()
         if deepspeed and device_of(cfg) == "cpu":
+            skip_deepspeeds_cpu_inference_all_reduce()
             # Without a backend accelerate counts one process on a CPU DeepSpeed launch (it finds no GPU backend)
             # while DeepSpeed's group has them all: name gloo, and both agree on the world.
             PartialState(backend="gloo")

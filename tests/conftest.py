@@ -26,14 +26,15 @@ def pytest_configure(config):
         fit_threads()
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` deselected: each tier weighs a file by its own tests
 def pytest_collection_modifyitems(config, items):
     """The slowest files first (tests/durations.json, tests/file_durations.py): `make test` hands each worker
     whole files in this order (`--dist loadfile --no-loadscope-reorder`), so the last files to start are short
     ones and both workers finish near together. The order within a file stays as written."""
-    from file_durations import load
+    from file_durations import file_seconds, load
 
-    seconds = load()
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+    seconds = file_seconds((item.nodeid for item in items), load())
+    items.sort(key=lambda item: -seconds[item.nodeid.split("::")[0]])
 
 
 TINY_VOCAB = 16
