@@ -32,7 +32,8 @@ setup: $(STAMP)
 # (tests/trl116_side.py) on inputs ours computed, to check both updates agree. The venv sees our packages (a .pth
 # naming our site-packages: the same torch, transformers, accelerate and datasets, and ~40 s less than installing
 # them again) under TRL 1.16.0 installed on its own, first on the path (our dev extra's TRL 1.9.0 stays behind
-# it); `pip check` fails the target when that TRL needs other versions than ours. Rebuilt only when pyproject.toml changes.
+# it); `pip check` fails the target when that TRL needs other versions than ours. Rebuilt when pyproject.toml
+# changes.
 TRL116_VENV := .venv-trl116
 TRL116_STAMP := $(TRL116_VENV)/.installed
 purelib = $$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
