@@ -11,7 +11,7 @@
 # numerical difference: the decode part records agreement figures, the tests record their figures.
 #   env        versions and the device
 #   decode     generate against the eager decode loop and its CUDA graphs: ms per rollout, agreement (bench/decode_loop.py)
-#   vs_trl     ours (train.decode_graphs off and auto, one process) against TRL 1.9.0 (PPO, RLOO) and TRL 1.16.0
+#   vs_trl     ours (train.decode_graphs off and auto, one process holding each run's models) against TRL 1.9.0 (PPO, RLOO) and TRL 1.16.0
 #              (RLOO, GRPO), 1 warm-up + 1 timed update each (bench/vs_trl.py); TRL's GRPO runs last, so a part cut
 #              short keeps PPO's and RLOO's figures; writes the workload the gpu tests reuse
 #   gpu_tests  the gpu-marked tests at lr 0 in bf16 (on a GPU: RLOO LoRA in process, ZeRO-2 PPO and ZeRO-3 RLOO

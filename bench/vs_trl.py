@@ -8,7 +8,8 @@ auto (CUDA graphs in the rollout).
 One workload is written once (model shapes and initial weights, tokenizer, prompts, spec.json) and both sides
 load it: same weights, prompts, response length, batch split (16 x 4), epochs, temperature, EOS handling,
 KL coefficient and precision. Each side runs in its own process under `accelerate launch` with the same
-flags (ours runs all its `--decode-graphs` modes of one algorithm in one process, on the models loaded once);
+flags (ours runs all its `--decode-graphs` modes of one algorithm in one process, on the models loaded once; on
+CUDA all its algorithms too, each loading only the models it needs, its peak allocation reset per run);
 TRL runs in its own environment (created on first use under bench/.trl-venv with trl==1.9.0 and this
 environment's torch, transformers and accelerate versions, or `--trl-python` / `--trl-pythonpath` for a
 machine without internet). TRL 1.16.0 needs nothing that environment lacks (its requirements: accelerate
@@ -169,6 +170,11 @@ def launch(python: str, script: Path, workload: Path, algo: str, device: str, pr
     return results
 
 
+def ours_jobs(algos: list[str], device: str) -> list[tuple[str, str]]:
+    """Our side's processes: ("ours", comma-joined algorithms) each."""
+    return [("ours", algo) for algo in algos] if device == "cpu" else [("ours", ",".join(algos))]
+
+
 def steady_eps(result: dict, warmup: int) -> float:
     ends = result["update_ends"][warmup - 1:]  # from the end of the warm-up to the end of the last update
     return result["episodes_per_update"] * (len(ends) - 1) / (ends[-1] - ends[0])
@@ -293,8 +299,10 @@ def main() -> None:
         write_workload(spec, workload, args.weights_from)
         sides = side_commands(args.ours_env, peer, args.trl_pythonpath, args.ours_pythonpath, trl116)
         for pair in range(args.pairs):
-            # ours: every algorithm and decode_graphs mode in one process; TRL: one process per version and algorithm
-            jobs = [("ours", ",".join(args.algos))] + [
+            # TRL: one process per version and algorithm; ours: the same on the CPU, where a process's peak RSS
+            # cannot be reset between runs (one process for PPO then RLOO reported PPO's peak as RLOO's), and one
+            # process for all on CUDA, where a 1B model's load dominates and the peak allocation is reset per run
+            jobs = ours_jobs(args.algos, args.device) + [
                 (peer, algo) for algo in args.algos
                 for peer in peers_of(algo, args.rloo_peers) if peer in sides]
             for side, algo in jobs if pair % 2 == 0 else jobs[::-1]:  # alternating which side goes first

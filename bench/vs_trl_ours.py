@@ -1,9 +1,10 @@
 """Our side of `bench/vs_trl.py`: `RLTrainer` on the same prepared workload as TRL's side, launched the same way
 (`accelerate launch --mixed_precision ... bench/vs_trl_ours.py WORKLOAD ALGO[,ALGO] [DECODE_GRAPHS[,...]]`).
-Each (algorithm, `train.decode_graphs`) pair runs in turn in this one process on the models loaded once (a 1B
+Each (algorithm, `train.decode_graphs`) pair runs in turn in this one process on models loaded once (a 1B
 model's load dominates a short run), the trained weights put back to the loaded ones before each, a new trainer
-and optimizer each time. Prints one `RESULT {json}` line per run with the end time of every update, peak memory
-and the median seconds of each phase.
+and optimizer each time; each run holds only the models it needs (`bench/vs_trl.py` starts one process per
+algorithm on the CPU, where a process's peak RSS cannot be reset). Prints one `RESULT {json}` line per run with the
+end time of every update, peak memory and the median seconds of each phase.
 """
 
 from __future__ import annotations
@@ -49,21 +50,40 @@ def main(workload: Path, algos: list[str], graph_modes: list[str]) -> None:
     runtime = Runtime(RuntimeConfig(device=device, mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION", "no"),
                                     gradient_checkpointing=spec["gradient_checkpointing"]),
                       gradient_accumulation_steps=spec["gradient_accumulation_steps"])
-    policy = runtime.trainable(load_policy(workload / "policy"))
-    value = runtime.trainable(load_scorer_model(workload / "scorer")) if "ppo" in algos else None
-    needs_reference = any(rl_config(spec, algo).uses_reference for algo in algos)
-    reference = runtime.load_frozen(load_policy, workload / "policy") if needs_reference else None
-    reward = runtime.load_frozen(load_scorer_model, workload / "scorer")
+    needs = {algo: models_needed(rl_config(spec, algo)) for algo in algos}
+    algos = sorted(algos, key=lambda algo: len(needs[algo]))  # GRPO at beta 0 needs the fewest, PPO the most
+    loaders = {"policy": lambda: runtime.trainable(load_policy(workload / "policy")),
+               "reward": lambda: runtime.load_frozen(load_scorer_model, workload / "scorer"),
+               "reference": lambda: runtime.load_frozen(load_policy, workload / "policy"),
+               "value": lambda: runtime.trainable(load_scorer_model(workload / "scorer"))}
+    models, loaded = {}, {}
     prompts = json.loads((workload / "prompts.json").read_text())
-    loaded = {m: {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
-              for m in (policy, value) if m is not None} if len(algos) * len(graph_modes) > 1 else {}
-    for algo, decode_graphs in product(algos, graph_modes):
-        for model, state in loaded.items():
-            model.load_state_dict(state)
-        result = run(spec, rl_config(spec, algo, decode_graphs), runtime, policy, value if algo == "ppo" else None,
-                     reference, reward, prompts)
+    runs = list(product(algos, graph_modes))
+    for i, (algo, decode_graphs) in enumerate(runs):
+        # each run holds only the models it needs (a peak counts what is resident): load the missing ones, drop
+        # what no later run needs
+        later = set().union(*(needs[a] for a, _ in runs[i:]))
+        for name in set(models) - later:
+            del models[name]
+            loaded.pop(name, None)
+        for name in needs[algo] - set(models):
+            models[name] = loaders[name]()
+        for name in ("policy", "value"):  # the trained ones start from the loaded weights in every run
+            if name in loaded:
+                models[name].load_state_dict(loaded[name])
+            elif name in models and any(name in needs[a] for a, _ in runs[i + 1:]):  # a later run trains it again
+                loaded[name] = {k: v.detach().to("cpu", copy=True) for k, v in models[name].state_dict().items()}
+        result = run(spec, rl_config(spec, algo, decode_graphs), runtime, models["policy"], models.get("value"),
+                     models.get("reference"), models["reward"], prompts)
+        result["models_held"] = sorted(models)
         print("RESULT " + json.dumps(result), flush=True)
         runtime.accelerator.free_memory()  # drops the last trainer's optimizer and prepared models
+
+
+def models_needed(cfg: RLConfig) -> set[str]:
+    """The models a run of `cfg` loads: the policy and reward model, the reference where a KL term needs it,
+    PPO's value model."""
+    return {"policy", "reward", *(["reference"] if cfg.uses_reference else []), *(["value"] if cfg.algo == "ppo" else [])}
 
 
 def run(spec: dict, cfg: RLConfig, runtime: Runtime, policy, value, reference, reward, prompts) -> dict:

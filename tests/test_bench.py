@@ -3,6 +3,7 @@ and the side-by-side harness against TRL (bench/vs_trl.py): which environment ea
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -76,6 +77,30 @@ def vs_trl():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_our_side_holds_only_the_models_each_run_needs(vs_trl, tmp_path, capsys):
+    """A peak counts what is resident: one process running PPO then RLOO reported PPO's peak RSS as RLOO's (its
+    value model still loaded, its high-water mark kept). On the CPU each algorithm gets its own process; where one
+    process runs several (CUDA), each run holds only its models."""
+    assert vs_trl.ours_jobs(["ppo", "rloo"], "cpu") == [("ours", "ppo"), ("ours", "rloo")]
+    assert vs_trl.ours_jobs(["ppo", "rloo"], "cuda") == [("ours", "ppo,rloo")]
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vs_trl_ours", Path(vs_trl.__file__).with_name("vs_trl_ours.py"))
+    ours = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ours)
+    workload = tmp_path / "workload"
+    vs_trl.write_workload({**vs_trl.workload_spec("dry-run", updates=2, gradient_checkpointing=False), "prompts": 64},
+                          workload)
+    ours.main(workload, ["rloo", "grpo"], ["off"])  # GRPO first (beta 0: no reference), then RLOO from the loaded weights
+    results = [json.loads(line.removeprefix("RESULT ")) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("RESULT ")]
+    assert [(r["algo"], r["models_held"]) for r in results] == [("grpo", ["policy", "reward"]),
+                                                               ("rloo", ["policy", "reference", "reward"])]
+    assert all(len(r["update_ends"]) == 2 for r in results)
+    spec = json.loads((workload / "spec.json").read_text())
+    assert ours.models_needed(ours.rl_config(spec, "ppo")) == {"policy", "reference", "reward", "value"}
 
 
 def test_side_by_side_runs_ours_in_the_peers_environment_unless_told(vs_trl, monkeypatch):
