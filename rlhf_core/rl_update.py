@@ -13,14 +13,13 @@ from types import ModuleType
 import torch
 from accelerate import Accelerator
 from torch import Tensor, nn
-from transformers import get_scheduler
 
 from rlhf_core import ops
 from rlhf_core.config import BatchPlan, RLConfig
 from rlhf_core.data import mini_batch_indices
 from rlhf_core.metrics import MetricAccumulator
 from rlhf_core.rollout import PolicyOutput, Rollout, response_logit_pieces, response_logits, token_values
-from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed
+from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed, lr_schedule
 
 
 class PolicyAndValue(nn.Module):
@@ -60,9 +59,8 @@ def prepare_for_training(model: PolicyAndValue, accelerator: Accelerator, cfg: R
     """One AdamW over policy and value, an LR schedule over all the run's optimizer steps, both prepared by
     accelerate with `model` (wrapped for DDP or DeepSpeed)."""
     optimizer = adamw(model, accelerator, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer,
-                              num_warmup_steps=int(cfg.warmup_ratio * plan.num_optimizer_steps),
-                              num_training_steps=plan.num_optimizer_steps)
+    scheduler = lr_schedule(cfg.lr_scheduler, optimizer, warmup_steps=int(cfg.warmup_ratio * plan.num_optimizer_steps),
+                            total_steps=plan.num_optimizer_steps)
     configure_deepspeed(accelerator, micro_batch_size=cfg.per_device_train_batch_size, max_grad_norm=cfg.max_grad_norm)
     return accelerator.prepare(model, optimizer, scheduler)
 

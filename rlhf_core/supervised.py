@@ -18,11 +18,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
-from transformers import get_scheduler
 
 from rlhf_core.config import SupervisedConfig
 from rlhf_core.metrics import MetricAccumulator
-from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed
+from rlhf_core.runtime import adamw, averaged_over, configure_deepspeed, lr_schedule
 from rlhf_core.threads import refit_threads
 
 # Mini-batches whose rows are sorted by length together: enough to group lengths, few enough to stay random.
@@ -126,8 +125,8 @@ def fit(cfg: SupervisedConfig, model: nn.Module, examples: Sequence, lengths: Se
     steps_per_epoch = len(batch_plan[0]) // cfg.gradient_accumulation_steps
     total_steps = steps_per_epoch * cfg.epochs
     optimizer = adamw(model, acc, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_training_steps=total_steps,
-                              num_warmup_steps=round(cfg.warmup_ratio * total_steps))
+    scheduler = lr_schedule(cfg.lr_scheduler, optimizer, warmup_steps=round(cfg.warmup_ratio * total_steps),
+                            total_steps=total_steps)
     module = model  # what DDP / DeepSpeed wrap; accelerate's unwrap_model would import deepspeed (+115 MB RSS)
     configure_deepspeed(acc, micro_batch_size=cfg.per_device_train_batch_size, max_grad_norm=cfg.max_grad_norm)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)

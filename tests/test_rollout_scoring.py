@@ -160,6 +160,31 @@ def test_fp32_rollout_logprobs_from_the_sampling_logits_equal_a_forward(response
     assert (batch.logprobs[~batch.response_mask] == 0).all()
 
 
+def test_the_rollouts_forwards_run_a_micro_batch_at_a_time_and_give_each_row_the_whole_chunks_numbers(
+        make_policy, make_scorer_model, tokenizer, prompts):
+    """The reference's log-probs and PPO's values are computed `per_device_train_batch_size` rows at a time (the
+    peak memory is then the update's, not the rollout's): each row's numbers are those of one forward over the
+    whole rollout chunk."""
+    cfg = RLConfig(algo="ppo", per_device_train_batch_size=3, gradient_accumulation_steps=4,
+                   local_rollout_forward_batch_size=12, response_length=6, temperature=0.7, num_epochs=1,
+                   stop_token="eos", kl_coef=0.05)
+    value, reference = make_scorer_model(1), make_policy(2).requires_grad_(False)
+    trainer = RLTrainer(cfg, make_policy(), FunctionScorer(target_fraction, tokenizer), prompts, pad_token_id=0,
+                        stop_token_id=1, value_model=value, ref_policy=reference)
+    pieces = []
+    original = reference.forward
+    reference.forward = lambda *args, **kwargs: pieces.append(len(kwargs["input_ids"])) or original(*args, **kwargs)
+    batch = trainer.rollout(range(12))
+    reference.forward = original
+    assert pieces == [3, 3, 3, 3], "the reference ran a micro-batch of rows at a time"
+    parts = (batch.queries, batch.query_mask, batch.responses, batch.response_mask)
+    with torch.no_grad():
+        whole_ref = logprobs_of(reference, parts, cfg.temperature, share_prompts=True) * batch.response_mask
+        whole_values = token_values(trainer.unwrapped.value, parts) * batch.response_mask
+    torch.testing.assert_close(batch.ref_logprobs, whole_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(batch.values, whole_values, rtol=0, atol=1e-6)
+
+
 def shared_prompt_batch(prompts, k=3, response_length=6):
     """k samples of 4 prompts of different lengths (left padding differs), stop tokens at various places,
     and a prompt that is a left-padded copy of another's tail: the masks tell them apart."""

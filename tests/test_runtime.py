@@ -16,7 +16,15 @@ from conftest import target_fraction
 from rlhf_core.config import RuntimeConfig
 from rlhf_core.rl_trainer import RLTrainer
 from rlhf_core.rollout_maker import sampling_logprobs_exact
-from rlhf_core.runtime import Runtime, RuntimeSettingError, adamw, check, check_fp16_loss_scaling
+from rlhf_core.runtime import (
+    LR_SCHEDULES,
+    Runtime,
+    RuntimeSettingError,
+    adamw,
+    check,
+    check_fp16_loss_scaling,
+    lr_schedule,
+)
 from rlhf_core.scoring import FunctionScorer
 
 
@@ -112,6 +120,42 @@ def test_the_trainers_adamw_is_fused_and_steps_as_torchs_per_tensor_one(make_pol
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.equal(fused_model.gpt_neox.layers[0].mlp.dense_h_to_4h.weight,
                            make_policy(0).gpt_neox.layers[0].mlp.dense_h_to_4h.weight), "the weights moved"
+
+
+@pytest.mark.parametrize("kind", LR_SCHEDULES)
+@pytest.mark.parametrize(("warmup", "total"), [(0, 7), (3, 10), (4, 4), (0, 1)])
+def test_the_lr_schedules_rates_are_transformers_get_schedulers(kind, warmup, total):
+    """Rate for rate, steps past the end included, and after a state-dict round trip (a resumed run)."""
+    from transformers import get_scheduler
+
+    def rates(make, steps=total + 3, resume_at=None):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+        scheduler = make(optimizer)
+        out = []
+        for step in range(steps):
+            if step == resume_at:  # a new optimizer and schedule, loaded as a resumed run loads them
+                state = scheduler.state_dict(), optimizer.state_dict()
+                optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+                scheduler = make(optimizer)
+                scheduler.load_state_dict(state[0])
+                optimizer.load_state_dict(state[1])
+            out.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    theirs = rates(lambda opt: get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=total))
+    ours = rates(lambda opt: lr_schedule(kind, opt, warmup_steps=warmup, total_steps=total))
+    assert ours == theirs
+    assert rates(lambda opt: lr_schedule(kind, opt, warmup_steps=warmup, total_steps=total),
+                 resume_at=total // 2) == theirs
+
+
+def test_an_unknown_lr_schedule_is_refused_by_name():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    with pytest.raises(ValueError, match="lr_scheduler: expected one of linear, cosine, constant, "
+                                         "constant_with_warmup, got 'polynomial'"):
+        lr_schedule("polynomial", optimizer, warmup_steps=0, total_steps=5)
 
 
 def test_deepspeed_builds_its_ops_with_this_environments_ninja(monkeypatch, tmp_path):
