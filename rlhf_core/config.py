@@ -177,7 +177,8 @@ class RLConfig(_Frozen):
     num_epochs: int = Field(4, gt=0)
     """Passes over each rollout batch (PPO epochs); RLOO's one optimization pass is 1."""
     local_rollout_forward_batch_size: int = Field(64, gt=0)
-    """Episodes per process per generation / scoring forward (no grad); bounds rollout memory."""
+    """Episodes per process per generation (no grad); bounds rollout memory. The log-prob and value forwards over
+    its completions then run `per_device_train_batch_size` rows at a time (the update holds as many anyway)."""
 
     # sampling
     response_length: int = Field(24, gt=0)
