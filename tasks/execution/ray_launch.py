@@ -280,6 +280,8 @@ def _fit(config: dict, runtime: RuntimeConfig, storage: str, run_id: str, use_gp
         raise
     except Exception as err:  # noqa: BLE001 (Ray's TrainingFailedError and what it wraps)
         return err
+    finally:
+        trainer.end_controller()
     return None
 
 
@@ -288,7 +290,10 @@ def _stage_trainer():
     that aborts the run and exits the process (0 or 1, whatever the stage was doing); this one only keeps the run's
     controller, and the stage aborts it on its own KeyboardInterrupt, as every stage stops. Aborting matters beyond
     the driver's exit: the controller's helpers (a detached placement-group cleaner) outlive a driver that just
-    leaves, and without the dashboard's state API the cleaner never learns that the run is gone."""
+    leaves, and without the dashboard's state API the cleaner never learns that the run is gone. Once the run is over
+    its controller is killed, not left to the handle's release: a graceful actor exit can hang in the interpreter's
+    teardown and leave the process alive, marked dead (ray-project/ray#59872, fixed there for the workers only; a
+    make test run found an idle TrainController of an earlier stage minutes later)."""
     import ray
     from ray.train.torch import TorchTrainer
 
@@ -302,6 +307,12 @@ def _stage_trainer():
             if self.controller is not None:
                 with contextlib.suppress(Exception):  # an already dead controller has nothing left to stop
                     ray.get(self.controller.abort.remote(), timeout=timeout_s)
+
+        def end_controller(self) -> None:
+            if self.controller is not None:
+                with contextlib.suppress(Exception):  # gone already: nothing to end
+                    ray.kill(self.controller, no_restart=True)
+                self.controller = None
 
     return StageTrainer
 
