@@ -114,10 +114,6 @@ def train_workers(cluster: LocalRayCluster, node: str | None = None) -> list:
     return [p for p in cluster.ray_processes(node) if "RayTrainWorker" in p.name() + " ".join(p.cmdline()[:1])]
 
 
-def job_processes(cluster: LocalRayCluster) -> list:
-    return cluster.ray_processes()
-
-
 def no_ray_workers_left(cluster: LocalRayCluster, workers, timeout_s: float = 60) -> list:
     """The processes `workers(cluster)` still lists after up to `timeout_s`: Ray reaps a job's workers after its
     driver has left, seconds later on a loaded machine (a bound on waiting, not a timing assertion)."""
@@ -153,7 +149,7 @@ def test_the_whole_pipeline_runs_every_model_stage_on_two_ray_nodes(ray_run, clu
     assert [m.step for m in history] == list(range(1, UPDATES + 1)), "every update's figures reach the driver's MLflow run"
     assert f"rank(s) on the Ray cluster at {cluster.address}" in proc.stdout + proc.stderr
     assert list(cluster.storage.iterdir()) == [], "each stage's folder on the shared storage is gone after it"
-    left = no_ray_workers_left(cluster, job_processes)  # ranks, each stage's controller and its helpers
+    left = no_ray_workers_left(cluster, LocalRayCluster.ray_processes)  # ranks, each stage's controller and its helpers
     assert left == [], ("nothing of a stage outlives it", [p.name() for p in left])
 
 
@@ -258,7 +254,7 @@ def test_ctrl_c_stops_every_rank_on_both_nodes_and_keeps_the_last_good_outputs(r
     os.killpg(run.pid, signal.SIGINT)
     output, _ = run.communicate(timeout=WAIT_S)  # a bound: on a loaded machine Ray takes minutes to stop its actors
     assert run.returncode == 130, output[-4000:]
-    left = no_ray_workers_left(cluster, job_processes)
+    left = no_ray_workers_left(cluster, LocalRayCluster.ray_processes)
     assert left == [], [p.name() for p in left]
     assert {p.name: p.read_bytes() for p in (copy / "models" / "policy").iterdir()} == policy
     assert sorted((copy / "checkpoints" / "train").glob("update-*")), "the last checkpoint came home: a rerun resumes"
