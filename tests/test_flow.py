@@ -45,6 +45,7 @@ from flows.overrides import (
 )
 from tasks.dag.dvc_yaml import stage_names
 from tasks.execution.launcher import free_port
+from tasks.execution.stage_server import SERVER_ENV
 from tasks.parameters.params import ParamsError, deep_merge, load_params, parse_override
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,7 +62,10 @@ def git_dvc_repo(path: Path) -> Path:
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RLHF_", "MLFLOW_TRACKING"))}
+    """This environment without its Prefect, pipeline and MLflow settings, but with the worker's warm stage server
+    (tests/conftest.py): an `rlhf stage` these processes start runs in it, unless the test takes `plain_stages`."""
+    env = {k: v for k, v in os.environ.items()
+           if k == SERVER_ENV or not k.startswith(("PREFECT_", "RLHF_", "MLFLOW_TRACKING"))}
     return {**env, "PATH": f"{BIN}{os.pathsep}{env['PATH']}", "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1",
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", **extra}
 
