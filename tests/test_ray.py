@@ -12,6 +12,7 @@ never in the workspace.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from test_cpu_profiles import with_profiles
 from test_flow import BIN, base_env, build_pipeline_repo
 
 from tasks.execution.launcher import MODEL_STAGES
+from tasks.execution.ray_worker import CLEANER_LOGGER, STATE_API_WARNING, quiet_the_cleaners_state_api_warning
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -148,6 +150,7 @@ def test_the_whole_pipeline_runs_every_model_stage_on_two_ray_nodes(ray_run, clu
     history = client.get_metric_history(train.info.run_id, "objective/kl")
     assert [m.step for m in history] == list(range(1, UPDATES + 1)), "every update's figures reach the driver's MLflow run"
     assert f"rank(s) on the Ray cluster at {cluster.address}" in proc.stdout + proc.stderr
+    assert STATE_API_WARNING not in proc.stdout + proc.stderr, "a cluster without the dashboard: the cleaner unheard"
     assert list(cluster.storage.iterdir()) == [], "each stage's folder on the shared storage is gone after it"
     left = no_ray_workers_left(cluster, LocalRayCluster.ray_processes)  # ranks, each stage's controller and its helpers
     assert left == [], ("nothing of a stage outlives it", [p.name() for p in left])
@@ -261,6 +264,21 @@ def test_ctrl_c_stops_every_rank_on_both_nodes_and_keeps_the_last_good_outputs(r
 
 
 # ------------------------------------------------------------------ the driver's parts, without a cluster
+
+def test_the_job_hook_drops_the_cleaners_state_api_warning_and_nothing_else(caplog):
+    """Ray Train's placement-group cleaner warns each second that the dashboard's state API does not answer, on a
+    cluster without the dashboard for as long as the stage runs: each worker of the job drops that warning first."""
+    cleaner = logging.getLogger(CLEANER_LOGGER)
+    filters = list(cleaner.filters)
+    try:
+        quiet_the_cleaners_state_api_warning()
+        with caplog.at_level(logging.WARNING, logger=CLEANER_LOGGER):
+            cleaner.warning(f"{STATE_API_WARNING}. State API may be temporarily unavailable. Continuing to monitor.")
+            cleaner.warning("Detected that the Ray Train controller actor (abc) is dead.")
+    finally:
+        cleaner.filters[:] = filters
+    assert [r.getMessage() for r in caplog.records] == ["Detected that the Ray Train controller actor (abc) is dead."]
+
 
 def test_a_stage_ships_its_non_code_deps_the_parameters_and_its_resume_state(tmp_path):
     from tasks.execution.ray_launch import stage_inputs, stage_outputs

@@ -40,6 +40,7 @@ from rlhf_core.config import RuntimeConfig
 from tasks.dag.dvc_yaml import CODE_DIRS, entry_paths, stage_entry
 from tasks.execution.errors import StageFailed
 from tasks.execution.launcher import LAUNCHED_ENV, on_checkpoint, raise_interrupt
+from tasks.execution.ray_worker import quiet_the_cleaners_state_api_warning
 from tasks.execution.shared_storage import STORAGE_ENV, RunFolder, is_remote, land
 from tasks.parameters.params import PROFILES_DIR
 from tasks.parameters.paths import Paths
@@ -242,13 +243,15 @@ def _uses_gpus(ray, runtime: RuntimeConfig) -> bool:
 
 def _connect(ray, address: str):
     """Join the cluster as a driver, the rank code shipped with the job (`py_modules`: the driver's own, whatever the
-    nodes have installed)."""
+    nodes have installed), each of the job's worker processes first running ray_worker's hook."""
     import rlhf_core
     import tasks
 
     modules = [str(Path(module.__file__).parent) for module in (rlhf_core, tasks)]  # what a rank imports
+    setup = f"{quiet_the_cleaners_state_api_warning.__module__}.{quiet_the_cleaners_state_api_warning.__name__}"
     return ray.init(address=address, logging_level=logging.WARNING, configure_logging=True,
-                    runtime_env={"py_modules": modules, "excludes": ["__pycache__", "*.pyc"]},
+                    runtime_env={"py_modules": modules, "excludes": ["__pycache__", "*.pyc"],
+                                 "worker_process_setup_hook": setup},
                     **({"_node_ip_address": _node_ip()} if not address.startswith("ray://") and _node_ip() else {}))
 
 
