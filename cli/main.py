@@ -148,7 +148,7 @@ def _stage(name: str, profile: str | None, overrides: list[str] | None) -> None:
     from tasks.execution.errors import StageFailed
     from tasks.execution.launcher import is_main_process, launch_command, run_launched
     from tasks.parameters.params import ParamsError, load_params
-    from tasks.runner import check_stage_name, run_stage
+    from tasks.runner import check_stage_name, on_ray, run_stage
 
     args = _stage_args(profile, overrides)
     try:
@@ -161,6 +161,10 @@ def _stage(name: str, profile: str | None, overrides: list[str] | None) -> None:
             BatchPlan.derive(params.rl_config(), runtime.num_processes)
             check_lora_settings(params, ".")  # LoRA settings against the policy's config, before the launch
         command = launch_command(runtime, name, args)
+        if on_ray(runtime, name):  # this process will drive the ranks on the cluster: it must answer first
+            from tasks.execution.ray_launch import check_cluster
+
+            check_cluster(runtime)
     except (ParamsError, ValueError) as err:  # a RuntimeSettingError is a ValueError
         typer.echo(f"error: {err}", err=True)
         from tasks.execution.put_back import put_back_missing

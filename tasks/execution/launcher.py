@@ -61,14 +61,9 @@ def is_main_process() -> bool:
 
 def launch_command(runtime: RuntimeConfig, stage: str, stage_args: list[str]) -> list[str] | None:
     """The command that runs `rlhf stage <stage> <stage_args>` on runtime.num_processes processes, or None
-    when the stage runs in this process (one process, no accelerate config, a stage that runs no model, or
-    already launched)."""
-    if not runtime.launched or stage not in MODEL_STAGES or os.environ.get(LAUNCHED_ENV):
-        return None
-    if runtime.launcher == "ray":  # the stage process is the Ray driver (tasks/runner.py): the cluster must answer
-        from tasks.execution.ray_launch import check_cluster
-
-        check_cluster(runtime)
+    when the stage runs in this process (one process, no accelerate config, a stage that runs no model, already
+    launched, or on Ray: this process drives the ranks on the cluster, tasks/runner.py)."""
+    if not runtime.launched or stage not in MODEL_STAGES or os.environ.get(LAUNCHED_ENV) or runtime.launcher == "ray":
         return None
     from rlhf_core.runtime import check, device_of  # torch + accelerate: only when launching
 
