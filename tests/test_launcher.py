@@ -58,6 +58,9 @@ def test_what_runs_in_this_process(monkeypatch, tmp_path):
     assert launch_command(RuntimeConfig(num_processes=2), "prepare", []) is None, "only stages that run a model"
     assert launch_command(RuntimeConfig(device="cpu", num_processes=2), "evaluate", []) is not None, \
         "evaluate and inspect run under the runtime too"
+    # on Ray this process drives the ranks (tasks/runner.py): no local launcher, and no cluster named is not its
+    # business (`rlhf stage` and `rlhf run` check the cluster beside it, tests/test_ray.py)
+    assert launch_command(RuntimeConfig(launcher="ray", num_processes=2), "train", []) is None
     with pytest.raises(ValueError, match="no such file"):
         launch_command(RuntimeConfig(accelerate_config=str(tmp_path / "nope.yaml")), "train", [])
     monkeypatch.setenv(LAUNCHED_ENV, "1")
