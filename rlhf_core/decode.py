@@ -217,10 +217,10 @@ class Forwards:
                                                     logits_to_keep=1, **{CACHE: self.cache})
                 return prompts.logits[groups[1], -1]
             # a static cache's buffers must keep their addresses (the graph reads them): the distinct prompts go
-            # through a dynamic cache, whose rows are then copied into the static buffers
-            prompts, dynamic = prefill_shared_prompts(self.model, queries, query_mask, groups, reads=1,
-                                                      logits_to_keep=1, **{CACHE: DynamicCache()})
-            _fill_static(self.cache, dynamic, self.prompt_length)
+            # through a dynamic cache, whose rows are then copied into the static buffers, each to its rows
+            prompts = prefill_distinct_prompts(self.model, queries, query_mask, groups[0], reads=1, logits_to_keep=1,
+                                               **{CACHE: DynamicCache()})
+            _fill_static(self.cache, getattr(prompts, CACHE), self.prompt_length, rows=groups[1])
             return prompts.logits[groups[1], -1]
 
     def step(self, tokens: Tensor, t: int) -> Tensor:
@@ -319,14 +319,20 @@ def compiled_step(model: nn.Module, **options) -> Callable:
     return compiled[key]
 
 
-def _fill_static(cache: StaticCache, dynamic: DynamicCache, length: int) -> None:
-    """Copy a (B, ...) dynamic cache of `length` tokens into the first slots of a static one."""
+def _fill_static(cache: StaticCache, dynamic: DynamicCache, length: int, rows: Tensor | None = None) -> None:
+    """Copy a dynamic cache of `length` tokens into the first slots of a static one, its row `rows[i]` into row i
+    (None: row for row). A layer at a time, each layer of `dynamic` emptied once copied: the prompts' keys and values
+    are never held twice, nor all their rows beside the static buffers."""
     for static_layer, layer in zip(cache.layers, dynamic.layers, strict=True):
+        keys, values = layer.keys, layer.values
+        if rows is not None:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
         if not static_layer.is_initialized:
-            static_layer.lazy_initialization(layer.keys, layer.values)
-        static_layer.keys[:, :, :length].copy_(layer.keys)
-        static_layer.values[:, :, :length].copy_(layer.values)
+            static_layer.lazy_initialization(keys, values)
+        static_layer.keys[:, :, :length].copy_(keys)
+        static_layer.values[:, :, :length].copy_(values)
         static_layer.cumulative_length.fill_(length)
+        layer.lazy_initialization(layer.keys, layer.values)  # back to empty: its tensors can go now
 
 
 def _pad_to_bucket(queries: Tensor, query_mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:

@@ -15,12 +15,19 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from test_rollout_scoring import tiny_decoder_config
-from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig, StaticCache
 
 from conftest import TINY_VOCAB
 from rlhf_core import ops
 from rlhf_core.batching import pad
-from rlhf_core.decode import GRAPH_PROMPT_BUCKET, Forwards, TokenChoice, decode, graphs_available
+from rlhf_core.decode import (
+    GRAPH_PROMPT_BUCKET,
+    Forwards,
+    TokenChoice,
+    _fill_static,
+    decode,
+    graphs_available,
+)
 from rlhf_core.prompt_attention import (
     SHARED_PROMPT_MODELS,
     SharedPromptCache,
@@ -162,23 +169,31 @@ def test_completions_of_a_shared_prompt_read_its_keys_and_values_once(model_type
     assert model.config._attn_implementation == "sdpa", "the model's own attention is back after each step"
 
 
-def test_the_shared_cache_takes_the_prefills_keys_and_values_instead_of_holding_them_twice():
+@pytest.mark.parametrize("cache", ["shared-prompt", "static"])
+def test_the_decode_cache_takes_the_prefills_keys_and_values_instead_of_holding_them_twice(cache):
     """The decode's cache is made from the distinct prompts' prefill cache a layer at a time, each layer of the
     prefill emptied once copied: the prompts' keys and values are never held twice (for a 1B model's 64 prompts of
-    512 tokens in bf16, 4 GiB twice)."""
+    512 tokens in bf16, 4 GiB twice). The shared-prompt cache holds each prompt once; the static cache of the
+    compiled step (CUDA graphs) holds each row's prompt."""
     model = tiny("gpt_neox")
     queries, query_mask = left_padded_prompts(n=3, seed=7)
+    P, rows = queries.shape[1], torch.tensor([0, 0, 2, 1, 2, 1])  # each row's distinct prompt
     prefill = DynamicCache()
     with torch.no_grad():
         model(input_ids=queries, attention_mask=query_mask.long(), position_ids=position_ids(query_mask),
               use_cache=True, past_key_values=prefill)
     held = [(layer.keys.clone(), layer.values.clone()) for layer in prefill.layers]
-    layout = SharedPrompts.of(query_mask, torch.arange(3).repeat_interleave(2), R, torch.float32)
-    cache = SharedPromptCache(prefill, layout, R)
-    assert len(cache.layers) == len(held) == model.config.num_hidden_layers
-    for layer, shared, (keys, values) in zip(prefill.layers, cache.layers, held, strict=True):
+    if cache == "shared-prompt":
+        layout = SharedPrompts.of(query_mask, rows, R, torch.float32)
+        made, expected = SharedPromptCache(prefill, layout, R), held
+    else:
+        made = StaticCache(config=model.config, max_cache_len=P + R)
+        _fill_static(made, prefill, P, rows=rows)
+        expected = [(keys[rows], values[rows]) for keys, values in held]
+    assert len(made.layers) == len(held) == model.config.num_hidden_layers
+    for layer, kept, (keys, values) in zip(prefill.layers, made.layers, expected, strict=True):
         assert layer.keys.numel() == layer.values.numel() == 0, "the prefill's layer still holds its tensors"
-        assert torch.equal(shared.keys, keys) and torch.equal(shared.values, values)
+        assert torch.equal(kept.keys[:, :, :P], keys) and torch.equal(kept.values[:, :, :P], values)
 
 
 def test_shared_prompt_attention_is_left_to_the_models_it_fits():
