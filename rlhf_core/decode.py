@@ -37,7 +37,7 @@ from transformers import (
 from transformers.cache_utils import DynamicCache, StaticCache, StaticLayer
 
 from rlhf_core import ops
-from rlhf_core.kv_cache import CACHE, GrowingCache
+from rlhf_core.kv_cache import CACHE, GrowingCache, empty_layer
 from rlhf_core.prompt_attention import (
     SharedPromptCache,
     SharedPrompts,
@@ -332,7 +332,7 @@ def _fill_static(cache: StaticCache, dynamic: DynamicCache, length: int, rows: T
         static_layer.keys[:, :, :length].copy_(keys)
         static_layer.values[:, :, :length].copy_(values)
         static_layer.cumulative_length.fill_(length)
-        layer.lazy_initialization(layer.keys, layer.values)  # back to empty: its tensors can go now
+        empty_layer(layer)
 
 
 def _pad_to_bucket(queries: Tensor, query_mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:

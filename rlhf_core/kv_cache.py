@@ -70,3 +70,9 @@ class GrowingCache(DynamicCache):
 
     def __init__(self, capacity: int):
         Cache.__init__(self, layer_class_to_replicate=partial(GrowingLayer, capacity))
+
+
+def empty_layer(layer: DynamicLayer) -> None:
+    """Drop a dynamic cache layer's keys and values once another cache holds them, so that their memory can go; the
+    layer stays an initialized, empty one."""
+    layer.lazy_initialization(layer.keys, layer.values)

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from rlhf_core.kv_cache import empty_layer
+
 ATTENTION = "rlhf_shared_prompts"
 SHARED_PROMPT_MODELS = frozenset({"gpt2", "gpt_neox", "llama", "qwen2"})
 """Architectures whose attention is plain scaled dot-product attention (absolute or rotary positions, grouped
@@ -148,7 +150,7 @@ class SharedPromptCache(Cache):
         layers = []
         for layer in prefill.layers:
             layers.append(SharedPromptLayer(layer.keys, layer.values, layout, response_length))
-            layer.lazy_initialization(layer.keys, layer.values)  # back to empty: its tensors can go now
+            empty_layer(layer)
         super().__init__(layers=layers)
 
 
